@@ -1,0 +1,1 @@
+"""Corpora: scripts that fetch and verify the text the examples train on."""

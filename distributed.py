@@ -1,0 +1,137 @@
+"""Process-group setup and teardown, and the few collective helpers the trainer uses.
+
+Vocabulary, as used across this project:
+- world size: how many training processes the job has in total (all nodes).
+- rank: this process's id in the job, 0 .. world_size-1. Rank 0 is the one that
+  prints and writes snapshots.
+- local rank: this process's id on its own machine (node); it picks the GPU.
+- process group: the set of processes that take part in collectives, plus the
+  communication backend they use (nccl between GPUs, gloo between CPUs).
+- all-reduce: a collective in which every rank contributes a tensor and every
+  rank receives the element-wise sum (or mean, max...) of all of them.
+
+torchrun (or SLURM, or any launcher) sets RANK, LOCAL_RANK, WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT; this module is the only place that reads them. A
+plain `python main.py` sets none of them and runs as a world of one, with no
+process group at all.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Who this process is in the job, and where its tensors live."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    restart_count: int = 0
+    """How many times torchrun has restarted the worker group (TORCHELASTIC_RESTART_COUNT)."""
+
+    @property
+    def is_main(self) -> bool:
+        """Global rank 0 (not local rank 0: in a multi-node job every node has a local rank 0)."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1 or dist.is_initialized()
+
+
+def setup_distributed(timeout_s: float = 600.0) -> DistContext:
+    """Join the process group described by the launcher's environment, or run alone.
+
+    timeout_s bounds every collective: a rank that stops answering turns into an
+    error on the others after that long, instead of a job that hangs forever.
+    """
+    if "WORLD_SIZE" not in os.environ:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return DistContext(rank=0, local_rank=0, world_size=1, device=device)
+
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world_size = int(os.environ["WORLD_SIZE"])
+    restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if torch.cuda.is_available():
+        # One GPU per process, chosen by the rank on this node; nccl moves data
+        # GPU-to-GPU (NVLink, InfiniBand) without going through host memory.
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+
+    timeout = timedelta(seconds=timeout_s)
+    # Rendezvous through the key-value store at MASTER_ADDR:MASTER_PORT. torchrun
+    # keeps that store alive across restarts of the workers, so each attempt gets
+    # its own key space: otherwise a restarted group can read the dead attempt's
+    # keys and hang while connecting (pytorch/pytorch#135712).
+    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    store = dist.PrefixStore(f"attempt_{restart_count}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    return DistContext(rank, local_rank, world_size, device, restart_count)
+
+
+def teardown_distributed() -> None:
+    """Leave the process group. Called from `finally`, so it runs on errors too."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+_IS_MAIN = os.environ.get("RANK", "0") == "0"
+
+
+def print0(*args, **kwargs) -> None:
+    """Print on global rank 0 only: one line per event, not one per process."""
+    if _IS_MAIN:
+        print(*args, **kwargs, flush=True)
+
+
+def warn0(message: str) -> None:
+    """A warning on rank 0, to stderr."""
+    if _IS_MAIN:
+        print(f"WARNING: {message}", file=sys.stderr, flush=True)
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    """Average a tensor over all ranks (in place; a no-op in a single process)."""
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        t /= dist.get_world_size()
+    return t
+
+
+def all_agree(ok: bool) -> bool:
+    """True only if every rank says ok: lets one rank's failure stop all of them cleanly."""
+    if not dist.is_initialized():
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def all_gather_objects(obj):
+    """Collect one picklable object from every rank (rank order); a list of one when alone."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

@@ -1,0 +1,115 @@
+"""Entry point: read the config, join the process group, build data + model, train.
+
+    python main.py                                         # one process
+    torchrun --standalone --nproc_per_node=4 main.py       # four processes on this machine
+    torchrun --standalone --nproc_per_node=4 main.py trainer_config.max_steps=500   # Hydra overrides
+
+Every process of the job runs this same file. They differ only in the RANK /
+LOCAL_RANK the launcher gives them (read in distributed.py). Rerunning the same
+command resumes from the newest snapshot under trainer_config.snapshot_path.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from char_dataset import CharDataset, DataConfig, DatasetError
+from config import ConfigError, build_config, to_dict
+from data.fetch_shakespeare import FetchError, ensure_tinyshakespeare
+from distributed import (DistContext, all_gather_objects, print0, setup_distributed,
+                         teardown_distributed)
+from model import GPT, GPTConfig
+from snapshot import SnapshotError, SnapshotStore
+from trainer import OptimizerConfig, Trainer, TrainerConfig
+
+SCHEMA = {"data_config": DataConfig, "gpt_config": GPTConfig,
+          "optimizer_config": OptimizerConfig, "trainer_config": TrainerConfig}
+# Mistakes a user can fix; reported as one line and a non-zero exit, not a traceback.
+USER_ERRORS = (ConfigError, DatasetError, SnapshotError, FetchError)
+
+
+class StartupError(RuntimeError):
+    """A start-up check failed on some rank; every rank stops with the same message."""
+
+
+def on_all_ranks(what: Callable[[], Any]) -> Any:
+    """Run a start-up step on every rank and stop them all if it failed on any.
+
+    Without this, a rank that fails alone (say, its node lacks the data file)
+    would leave the others waiting in their next collective until the timeout.
+    """
+    try:
+        result, error = what(), None
+    except USER_ERRORS as e:
+        result, error = None, str(e)
+    errors = [(rank, e) for rank, e in enumerate(all_gather_objects(error)) if e]
+    if errors:
+        rank, message = errors[0]
+        raise StartupError(message if rank == 0 else f"on rank {rank}: {message}")
+    return result
+
+
+def fetch_default_corpus(cfg: DataConfig, ctx: DistContext) -> None:
+    """Fetch tiny Shakespeare if the default data_config.path is missing, once per node.
+
+    Local rank 0 downloads (nodes need not share a disk); the other ranks wait for
+    it inside on_all_ranks, which every rank calls whether or not it fetches.
+    """
+    if ctx.local_rank == 0 and cfg.path == DataConfig.path and not os.path.exists(cfg.path):
+        print(f"data | {cfg.path} not found | fetching tiny Shakespeare", flush=True)
+        try:
+            ensure_tinyshakespeare(cfg.path)
+        except FetchError as e:
+            raise FetchError(f"data_config.path: {e}; download it by hand or set data_config.path=<a UTF-8 file>") from None
+
+
+def run(raw: dict[str, Any]) -> int:
+    try:
+        cfg = build_config(raw, SCHEMA)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    data_cfg, gpt_cfg, tcfg = cfg["data_config"], cfg["gpt_config"], cfg["trainer_config"]
+    ctx = None
+    try:
+        ctx = setup_distributed(tcfg.collective_timeout_s)
+        print0(f"job | world size {ctx.world_size} | backend {torch.distributed.get_backend() if ctx.distributed else 'none'}"
+               f" | device {ctx.device} | restart {ctx.restart_count} | seed {tcfg.seed}")
+        on_all_ranks(lambda: fetch_default_corpus(data_cfg, ctx))
+        dataset = on_all_ranks(lambda: CharDataset(data_cfg))
+        print0(f"data | {data_cfg.path} | {len(dataset.data):,} characters | vocabulary {dataset.vocab_size} | "
+               f"{len(dataset.train):,} train / {len(dataset.val):,} val windows of {data_cfg.block_size}")
+        gpt_cfg.vocab_size, gpt_cfg.block_size = dataset.vocab_size, data_cfg.block_size
+        torch.manual_seed(tcfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
+        model = GPT(gpt_cfg)
+        store = SnapshotStore(tcfg.snapshot_path, tcfg.keep_last)
+        # Rank 0 writes the snapshots, so rank 0 probes the destination: now, not at the first save an hour in.
+        on_all_ranks(store.check_writable if ctx.is_main else lambda: None)
+        run_config = {name: to_dict(section) for name, section in cfg.items()}
+        trainer = Trainer(model, dataset, tcfg, cfg["optimizer_config"], ctx, run_config, store)
+        on_all_ranks(trainer.resume)
+        trainer.train()
+        return 0
+    except (StartupError, *USER_ERRORS) as e:
+        if ctx is None or ctx.is_main:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        teardown_distributed()
+
+
+@hydra.main(config_path=".", config_name="gpt2_train_cfg", version_base=None)
+def main(cfg: DictConfig) -> None:
+    # Hydra has merged the YAML with the command-line overrides; from here on the
+    # config is plain data, validated by the dataclasses.
+    sys.exit(run(OmegaConf.to_container(cfg, resolve=True)))
+
+
+if __name__ == "__main__":
+    main()

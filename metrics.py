@@ -1,0 +1,76 @@
+"""What a run reports: the JSON-lines metrics file and the terminal progress line.
+
+Only global rank 0 reports; the numbers it writes were already averaged over all
+ranks by the trainer. The metrics file is the machine-readable history of the run
+(one JSON object per logged step); after a resume it is cut back to the snapshot's
+step, because the steps after it are trained again, so the history has every step
+once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+class MetricsLog:
+    """Append-only JSON lines on a local path; an empty path disables it."""
+
+    def __init__(self, path: str):
+        self.path = path
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+    def write(self, record: dict) -> None:
+        if self.path:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+    def truncate_after(self, step: int) -> None:
+        """Drop records past `step` (written before a crash, about to be redone)."""
+        if not self.path or not os.path.exists(self.path):
+            return
+        kept = []
+        with open(self.path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    if json.loads(line)["step"] <= step:
+                        kept.append(line if line.endswith("\n") else line + "\n")
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line cut short by the crash
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(tmp, self.path)
+
+    @staticmethod
+    def read(path: str) -> list[dict]:
+        with open(path, encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+
+class ProgressLine:
+    """A one-line progress bar redrawn in place, only when stdout is a terminal (not in logs)."""
+
+    def __init__(self, total: int, enabled: bool = True, width: int = 30):
+        self.total, self.width = total, width
+        self.enabled = enabled and sys.stdout.isatty()
+
+    def update(self, step: int) -> None:
+        if self.enabled:
+            filled = self.width * step // self.total
+            sys.stdout.write(f"\r[{'#' * filled}{'.' * (self.width - filled)}] {step}/{self.total}")
+            sys.stdout.flush()
+
+    def clear(self) -> None:
+        if self.enabled:
+            sys.stdout.write("\r\033[K")
+            sys.stdout.flush()

@@ -1,0 +1,323 @@
+"""The training loop: DDP wrapping, data sharding, optimisation, evaluation, logging, snapshots.
+
+One Trainer runs in every process of the job. Each process holds a full copy
+(replica) of the model; DistributedDataParallel (DDP) averages the gradients of
+all replicas with an all-reduce during backward, so every replica takes the same
+optimizer step and the copies stay identical. Each rank trains on a different
+shard of every global batch, chosen by a DistributedSampler.
+
+Data position is kept as *global samples consumed in this epoch*: step by step,
+the job walks through one seeded permutation of all training windows, W*B at a
+time, and rank r takes every W-th of them. Because that position does not depend
+on the world size, a snapshot taken with 4 ranks resumes correctly with 2.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DistributedSampler
+
+from char_dataset import CharDataset
+from config import ConfigError
+from distributed import DistContext, all_gather_objects, all_reduce_mean, print0
+from metrics import MetricsLog, ProgressLine, format_duration
+from model import GPT, GPTConfig
+from snapshot import SnapshotError, SnapshotStore
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW and its learning-rate schedule (YAML section `optimizer_config`)."""
+
+    section: ClassVar[str] = "optimizer_config"
+
+    learning_rate: float = 1e-3
+    """Peak learning rate, reached at the end of warmup."""
+    min_lr: float = 1e-4
+    """Learning rate at max_steps; the cosine decays from learning_rate to this."""
+    warmup_steps: int = 100
+    """Steps of linear warmup from 0 to learning_rate."""
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 disables clipping)."""
+
+    def __post_init__(self) -> None:
+        if self.learning_rate <= 0 or self.min_lr < 0 or self.min_lr > self.learning_rate:
+            raise ConfigError("optimizer_config: need learning_rate > 0 and 0 <= min_lr <= learning_rate")
+        if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0:
+            raise ConfigError("optimizer_config: warmup_steps, weight_decay and grad_clip must be >= 0")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ConfigError("optimizer_config: beta1 and beta2 must be in [0, 1)")
+
+    def lr_at(self, step: int, max_steps: int) -> float:
+        """Linear warmup, then cosine decay to min_lr at max_steps. A pure function of the step,
+        so resuming at step s continues the schedule exactly."""
+        if step < self.warmup_steps:
+            return self.learning_rate * (step + 1) / self.warmup_steps
+        progress = min(1.0, (step - self.warmup_steps) / max(1, max_steps - self.warmup_steps))
+        return self.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (self.learning_rate - self.min_lr)
+
+
+@dataclass
+class TrainerConfig:
+    """How long and how to train, log and snapshot (YAML section `trainer_config`)."""
+
+    section: ClassVar[str] = "trainer_config"
+
+    max_steps: int = 2000
+    """Optimizer steps in the whole run; epochs follow from it and the data size."""
+    batch_size: int = 12
+    """Windows per rank per micro-step. Global batch = batch_size * world_size * grad_accum_steps."""
+    grad_accum_steps: int = 1
+    """Micro-steps whose gradients are summed before each optimizer step."""
+    eval_every: int = 250
+    eval_iters: int = 20
+    """Batches per rank in each evaluation."""
+    log_every: int = 10
+    save_every: int = 500
+    snapshot_path: str = "runs/shakespeare_char/snapshots"
+    """Directory or URL for snapshots; relative paths are relative to where you launch."""
+    keep_last: int = 3
+    """How many snapshots to keep; older ones are deleted after a newer one is committed."""
+    metrics_path: str = "runs/shakespeare_char/metrics.jsonl"
+    """Local JSON-lines file, one record per logged step (empty string: no file)."""
+    seed: int = 1337
+    sample_chars: int = 200
+    """Characters generated at each evaluation (0: none)."""
+    collective_timeout_s: float = 600.0
+    """A collective that waits longer than this fails instead of hanging the job."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "batch_size", "grad_accum_steps", "eval_every", "eval_iters",
+                     "log_every", "save_every", "keep_last"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"trainer_config.{name} must be positive, got {getattr(self, name)}")
+        if self.sample_chars < 0 or self.collective_timeout_s <= 0:
+            raise ConfigError("trainer_config: sample_chars must be >= 0 and collective_timeout_s > 0")
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """DistributedSampler that can start mid-epoch, at a position counted in global samples.
+
+    Like its parent (shuffle=True, drop_last=True) it draws one permutation per
+    epoch from seed + epoch and gives rank r the positions r, r+W, r+2W, ...;
+    set_start(n) skips the first n positions of that permutation, whatever the
+    world size was when they were consumed.
+    """
+
+    def __init__(self, dataset, num_replicas: int, rank: int, seed: int):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        self.start = 0
+
+    def set_start(self, global_samples_consumed: int) -> None:
+        self.start = global_samples_consumed
+
+    def local_indices(self) -> torch.Tensor:
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)  # same permutation on every rank
+        perm = torch.randperm(len(self.dataset), generator=g)
+        per_rank = (len(perm) - self.start) // self.num_replicas  # equal shares, remainder dropped
+        return perm[self.start + self.rank : self.start + per_rank * self.num_replicas : self.num_replicas]
+
+    def __iter__(self):
+        return iter(self.local_indices().tolist())
+
+    def __len__(self) -> int:
+        return (len(self.dataset) - self.start) // self.num_replicas
+
+
+class Trainer:
+    def __init__(self, model: GPT, dataset: CharDataset, trainer_cfg: TrainerConfig, optim_cfg: OptimizerConfig,
+                 ctx: DistContext, run_config: dict[str, Any], store: SnapshotStore):
+        self.cfg, self.optim_cfg, self.ctx, self.run_config, self.store = trainer_cfg, optim_cfg, ctx, run_config, store
+        self.dataset = dataset
+        self.device = ctx.device
+        self.raw_model = model.to(self.device)
+        self.optimizer = model.configure_optimizer(
+            optim_cfg.learning_rate, optim_cfg.weight_decay, (optim_cfg.beta1, optim_cfg.beta2), self.device.type)
+        # DDP registers autograd hooks that all-reduce gradients bucket by bucket
+        # while backward is still running, overlapping communication with compute.
+        self.model = DDP(model, device_ids=[ctx.local_rank] if self.device.type == "cuda" else None) \
+            if ctx.distributed else model
+        self.sampler = ResumableDistributedSampler(dataset.train, ctx.world_size, ctx.rank, trainer_cfg.seed)
+        self.step, self.epoch, self.samples_consumed = 0, 0, 0
+        self._local_key: tuple[int, int] | None = None  # (epoch, start) of the cached index shard
+        # Each rank gets its own random stream (dropout must differ across ranks'
+        # different samples); all streams follow from the one configured seed.
+        torch.manual_seed(trainer_cfg.seed + ctx.rank)
+        self.metrics = MetricsLog(trainer_cfg.metrics_path if ctx.is_main else "")
+
+    # ----------------------------------------------------------------- snapshots
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly; collective (gathers every rank's RNG state)."""
+        rng = all_gather_objects({
+            "cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
+        })
+        return {
+            "format_version": 1,
+            "step": self.step, "epoch": self.epoch, "samples_consumed": self.samples_consumed,
+            "world_size": self.ctx.world_size,
+            "model": self.raw_model.state_dict(),  # the unwrapped module: no "module." prefixes
+            "optimizer": self.optimizer.state_dict(),
+            "rng": rng,
+            "config": self.run_config,
+            "vocab": self.dataset.tokenizer.chars,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved_gpt = state["config"]["gpt_config"]
+        current = self.raw_model.config
+        mismatched = [f"{f} (snapshot {saved_gpt.get(f)!r}, config {getattr(current, f)!r})"
+                      for f in GPTConfig.SHAPE_FIELDS if saved_gpt.get(f) != getattr(current, f)]
+        if mismatched:
+            raise SnapshotError(
+                f"snapshot under {self.store.url!r} is for another model shape: {'; '.join(mismatched)}; "
+                "use matching gpt_config/data_config settings or another trainer_config.snapshot_path")
+        if state["vocab"] != self.dataset.tokenizer.chars:
+            raise SnapshotError(
+                f"snapshot under {self.store.url!r} was trained on a different vocabulary; "
+                "use the same data_config.path or another trainer_config.snapshot_path")
+        self.raw_model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.epoch, self.samples_consumed = state["step"], state["epoch"], state["samples_consumed"]
+        self._local_key = None
+        if state["world_size"] == self.ctx.world_size:
+            # Same world size: every rank continues its own random stream exactly.
+            rng = state["rng"][self.ctx.rank]
+            torch.set_rng_state(rng["cpu"])
+            if rng["cuda"] is not None and self.device.type == "cuda":
+                torch.cuda.set_rng_state(rng["cuda"], self.device)
+
+    def save_snapshot(self) -> None:
+        state = self.state_dict()  # every rank takes part in gathering the RNG states...
+        if self.ctx.is_main:  # ...but only global rank 0 writes: one snapshot per job, not per node
+            t0 = time.perf_counter()
+            entry = self.store.save(state, self.step)
+            print0(f"snapshot | step {self.step} | {entry['bytes'] / 1e6:.1f} MB | "
+                   f"{time.perf_counter() - t0:.2f} s | {self.store.url}/{entry['file']}")
+
+    def resume(self) -> None:
+        state = self.store.load_latest(map_location=self.device)
+        if state is None:
+            print0(f"resume | no snapshot under {self.store.url} | starting fresh at step 0")
+            return
+        self.load_state_dict(state)
+        print0(f"resume | step {self.step} | epoch {self.epoch} | {self.samples_consumed} samples into the epoch "
+               f"| saved at world size {state['world_size']}, now {self.ctx.world_size} | from {self.store.url}")
+        self.metrics.truncate_after(self.step)  # steps after the snapshot will be redone
+
+    # --------------------------------------------------------------------- data
+    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        B, W = self.cfg.batch_size, self.ctx.world_size
+        if self.samples_consumed + W * B > len(self.dataset.train):  # epoch exhausted: next permutation
+            self.epoch, self.samples_consumed = self.epoch + 1, 0
+        if self._local_key is None or self._local_key[0] != self.epoch or self.samples_consumed < self._local_key[1]:
+            # New epoch (or just resumed): this rank's share of the permutation, from here on.
+            self.sampler.set_epoch(self.epoch)
+            self.sampler.set_start(self.samples_consumed)
+            self._local, self._local_key = self.sampler.local_indices(), (self.epoch, self.samples_consumed)
+        i = (self.samples_consumed - self._local_key[1]) // W  # position in this rank's share
+        starts = self._local[i : i + B]  # (B,) window starts for this rank
+        self.samples_consumed += W * B
+        x, y = self.dataset.train.batch(starts)  # (B, T) each
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    # ------------------------------------------------------------------ training
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss over a fixed, evenly spaced set of windows, averaged over all ranks."""
+        B, W, n_iters = self.cfg.batch_size, self.ctx.world_size, self.cfg.eval_iters
+        starts = torch.linspace(0, len(self.dataset.val) - 1, n_iters * B * W).long()[self.ctx.rank :: W]
+        self.raw_model.eval()  # no dropout; the replicas are identical, so no DDP needed here
+        total = torch.zeros((), device=self.device)
+        for i in range(n_iters):
+            x, y = self.dataset.val.batch(starts[i * B : (i + 1) * B])
+            total += self.raw_model(x.to(self.device), y.to(self.device))[1]
+        self.raw_model.train()
+        return all_reduce_mean(total / n_iters).item()
+
+    def _sample(self) -> str:
+        tok = self.dataset.tokenizer
+        prompt = tok.encode("\n" if "\n" in tok.stoi else tok.chars[0])[None].to(self.device)  # (1, 1)
+        gen = torch.Generator(self.device).manual_seed(self.cfg.seed)  # own generator: training RNG untouched
+        out = self.raw_model.generate(prompt, self.cfg.sample_chars, temperature=0.8, generator=gen)
+        return tok.decode(out[0, 1:])
+
+    def train_step(self) -> torch.Tensor:
+        """One optimizer step over grad_accum_steps micro-batches; returns the mean loss (on device)."""
+        lr = self.optim_cfg.lr_at(self.step, self.cfg.max_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        n_micro = self.cfg.grad_accum_steps
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(n_micro):
+            x, y = self._next_batch()
+            # Gradients are all-reduced only on the last micro-step; no_sync skips
+            # the communication for the others (they just accumulate locally).
+            sync = micro == n_micro - 1 or not isinstance(self.model, DDP)
+            with nullcontext() if sync else self.model.no_sync():
+                _, loss = self.model(x, y)
+                (loss / n_micro).backward()
+            loss_sum += loss.detach()
+        if self.optim_cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), self.optim_cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)  # free gradient memory instead of writing zeros
+        self.step += 1
+        return loss_sum / n_micro
+
+    def train(self) -> None:
+        cfg, W = self.cfg, self.ctx.world_size
+        tokens_per_step = cfg.batch_size * self.raw_model.config.block_size * W * cfg.grad_accum_steps
+        epochs = cfg.max_steps * tokens_per_step / self.raw_model.config.block_size / len(self.dataset.train)
+        print0(f"train | {self.raw_model.num_params() / 1e6:.2f}M parameters | world size {W} | "
+               f"global batch {cfg.batch_size * W * cfg.grad_accum_steps} windows = {tokens_per_step} tokens | "
+               f"steps {self.step}->{cfg.max_steps} (~{epochs:.2f} epochs)")
+        if self.step >= cfg.max_steps:
+            print0(f"train | snapshot is already at step {self.step} >= max_steps {cfg.max_steps}; nothing to do")
+            return
+        progress = ProgressLine(cfg.max_steps, enabled=self.ctx.is_main)
+        start_step, t_start = self.step, time.perf_counter()
+        t_last, step_last = t_start, self.step
+        loss_acc = torch.zeros((), device=self.device)
+        while self.step < cfg.max_steps:
+            loss_acc += self.train_step()
+            step, last = self.step, self.step == cfg.max_steps
+            progress.update(step)
+            is_eval = step % cfg.eval_every == 0 or last
+            if step % cfg.log_every == 0 or is_eval:
+                # .item() waits for the device; do it only on log steps, not every step.
+                train_loss = all_reduce_mean(loss_acc / (step - step_last)).item()
+                now = time.perf_counter()
+                dt_step = (now - t_last) / (step - step_last)
+                eta = (now - t_start) / (step - start_step) * (cfg.max_steps - step)
+                record = {"step": step, "epoch": self.epoch, "train_loss": round(train_loss, 6),
+                          "lr": self.optimizer.param_groups[0]["lr"], "tokens_per_sec": round(tokens_per_step / dt_step, 1),
+                          "ms_per_step": round(1e3 * dt_step, 2)}
+                progress.clear()
+                print0(f"step {step:>6}/{cfg.max_steps} | epoch {self.epoch} | loss {train_loss:.4f} | "
+                       f"lr {record['lr']:.2e} | {record['tokens_per_sec'] / 1e3:.1f}k tok/s | "
+                       f"{record['ms_per_step']:.1f} ms/step | ETA {format_duration(eta)}")
+                if is_eval:
+                    record["val_loss"] = round(self.evaluate(), 6)
+                    line = f"eval | step {step} | val loss {record['val_loss']:.4f}"
+                    if cfg.sample_chars and self.ctx.is_main:
+                        record["sample"] = self._sample()
+                        line += f" | sample: {record['sample']!r}"
+                    print0(line)
+                self.metrics.write(record)
+                t_last, step_last, loss_acc = time.perf_counter(), step, torch.zeros((), device=self.device)
+            if step % cfg.save_every == 0 or last:
+                self.save_snapshot()
+        progress.clear()
+        print0(f"done | step {self.step} | {format_duration(time.perf_counter() - t_start)} wall time this run")
