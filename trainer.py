@@ -82,8 +82,8 @@ class TrainerConfig:
     eval_every: int = 250
     eval_iters: int = 20
     """Batches per rank in each evaluation."""
-    log_every: int = 10
-    save_every: int = 500
+    log_every: int = 50
+    save_every: int = 250
     snapshot_path: str = "runs/shakespeare_char/snapshots"
     """Directory or URL for snapshots; relative paths are relative to where you launch."""
     keep_last: int = 3

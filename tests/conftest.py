@@ -1,0 +1,105 @@
+"""Shared test fixtures: where the corpus is, tiny run settings, and helpers to run main.py for real."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def _find_shakespeare() -> Path | None:
+    for candidate in (os.environ.get("TINYSHAKESPEARE_PATH"),
+                      REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt",
+                      REPO / "data" / "tinyshakespeare" / "input.txt"):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    return None
+
+
+@pytest.fixture(scope="session")
+def shakespeare() -> Path:
+    path = _find_shakespeare()
+    if path is None:
+        pytest.skip("tiny Shakespeare not found: set TINYSHAKESPEARE_PATH or run python data/fetch_shakespeare.py")
+    return path
+
+
+# A model small enough that a real multi-process run takes seconds on 2 cores.
+TINY = ["gpt_config.n_layer=2", "gpt_config.n_head=2", "gpt_config.n_embd=32", "data_config.block_size=32",
+        "trainer_config.batch_size=4", "trainer_config.eval_iters=2", "trainer_config.sample_chars=0"]
+
+
+def tiny_overrides(data: Path, run_dir: Path, **trainer) -> list[str]:
+    """Hydra overrides for a tiny run writing under run_dir."""
+    args = TINY + [f"data_config.path={data}", f"trainer_config.snapshot_path={run_dir / 'snapshots'}",
+                   f"trainer_config.metrics_path={run_dir / 'metrics.jsonl'}"]
+    return args + [f"trainer_config.{k}={v}" for k, v in trainer.items()]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_cmd(nproc: int, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "--master_port", str(free_port()), str(REPO / "main.py"), *args]
+
+
+def run_main(args: list[str], nproc: int = 0, timeout: float = 240, cwd: Path = REPO,
+             env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run main.py in one process (nproc=0) or under torchrun; returns the finished process."""
+    cmd = torchrun_cmd(nproc, *args) if nproc else [sys.executable, str(REPO / "main.py"), *args]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def descendants(pid: int) -> list[int]:
+    """All live descendants of pid, read from /proc (torchrun puts workers in their own sessions)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a launcher and every process under it: a power cut, as far as the job can tell."""
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=30)
+
+
+def wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 180) -> list[str]:
+    """Read proc's stdout until a line contains needle; returns the lines read."""
+    lines, deadline = [], time.monotonic() + timeout
+    for line in proc.stdout:
+        lines.append(line)
+        if needle in line:
+            return lines
+        if time.monotonic() > deadline:
+            break
+    raise AssertionError(f"{needle!r} not seen; output:\n{''.join(lines)}")

@@ -1,0 +1,79 @@
+"""Real training runs of main.py: one process and torchrun with 2 ranks on CPU (gloo).
+
+These start real processes, so they are marked slow; `pytest -m "not slow"` skips them.
+"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, kill_tree, run_main, tiny_overrides, torchrun_cmd, wait_for_line
+from metrics import MetricsLog
+from snapshot import SnapshotStore
+
+pytestmark = pytest.mark.slow
+
+
+def test_single_process_run_learns_and_leaves_a_snapshot_sample_py_can_use(shakespeare, tmp_path):
+    result = run_main(tiny_overrides(shakespeare, tmp_path, max_steps=60, eval_every=30, save_every=30,
+                                     log_every=10) + ["optimizer_config.learning_rate=3e-3", "optimizer_config.warmup_steps=5"])
+    assert result.returncode == 0, result.stderr
+    assert "starting fresh at step 0" in result.stdout
+    records = MetricsLog.read(str(tmp_path / "metrics.jsonl"))
+    assert {"step", "epoch", "train_loss", "lr", "tokens_per_sec"} <= set(records[0])
+    evals = [r["val_loss"] for r in records if "val_loss" in r]
+    assert len(evals) == 2 and evals[-1] < 3.3 < 4.17  # well below uniform guessing, ln(65) = 4.17
+    # sample.py needs only the snapshot: no data file, no config.
+    out = subprocess.run([sys.executable, str(REPO / "sample.py"), "--snapshot", str(tmp_path / "snapshots"),
+                          "--prompt", "ROMEO:", "--chars", "40"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ROMEO:") and len(out.stdout.rstrip("\n")) == 46
+
+
+def test_a_snapshot_of_another_model_shape_is_a_clear_error(shakespeare, tmp_path):
+    assert run_main(tiny_overrides(shakespeare, tmp_path, max_steps=2)).returncode == 0
+    result = run_main(tiny_overrides(shakespeare, tmp_path, max_steps=4) + ["gpt_config.n_embd=48"])
+    assert result.returncode == 1
+    assert "another model shape: n_embd (snapshot 32, config 48)" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_torchrun_two_ranks_snapshot_then_resume_at_the_saved_step_and_data_position(shakespeare, tmp_path):
+    first = run_main(tiny_overrides(shakespeare, tmp_path, max_steps=20, save_every=10), nproc=2)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "world size 2 | backend gloo" in first.stdout
+    snap = SnapshotStore(str(tmp_path / "snapshots")).load_latest()
+    assert snap["step"] == 20 and snap["samples_consumed"] == 20 * 2 * 4 and len(snap["rng"]) == 2
+
+    second = run_main(tiny_overrides(shakespeare, tmp_path, max_steps=30, save_every=10), nproc=2)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resume | step 20 | epoch 0 | 160 samples into the epoch" in second.stdout
+    snap = SnapshotStore(str(tmp_path / "snapshots")).load_latest()
+    assert snap["step"] == 30 and snap["samples_consumed"] == 30 * 2 * 4
+
+
+def test_killed_torchrun_job_resumes_and_matches_an_uninterrupted_run_exactly(shakespeare, tmp_path):
+    settings = dict(max_steps=30, save_every=10, log_every=1, eval_every=10)
+    extra = ["gpt_config.dropout=0.1"]  # dropout draws random numbers: RNG state must resume too
+    straight = run_main(tiny_overrides(shakespeare, tmp_path / "straight", **settings) + extra, nproc=2)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    args = tiny_overrides(shakespeare, tmp_path / "killed", **settings) + extra
+    job = subprocess.Popen(torchrun_cmd(2, *args), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, env={"PYTHONUNBUFFERED": "1", **__import__("os").environ})
+    wait_for_line(job, "snapshot | step 10")
+    kill_tree(job)  # SIGKILL launcher and workers, wherever they are in step 10..30
+    resumed = run_main(args, nproc=2)  # the same command again
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resume | step " in resumed.stdout and "starting fresh" not in resumed.stdout
+
+    a = MetricsLog.read(str(tmp_path / "straight" / "metrics.jsonl"))
+    b = MetricsLog.read(str(tmp_path / "killed" / "metrics.jsonl"))
+    assert [r["step"] for r in b] == list(range(1, 31))  # every step once, none lost or duplicated
+    assert [r["train_loss"] for r in a] == [r["train_loss"] for r in b]
+    assert [r.get("val_loss") for r in a] == [r.get("val_loss") for r in b]
+    final_a = SnapshotStore(str(tmp_path / "straight" / "snapshots")).load_latest()["model"]
+    final_b = SnapshotStore(str(tmp_path / "killed" / "snapshots")).load_latest()["model"]
+    assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
