@@ -16,7 +16,9 @@ import os
 import sys
 import urllib.request
 
-URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+# The usual public copy; TINYSHAKESPEARE_URL points elsewhere (a mirror, or file:///... on offline machines).
+URL = os.environ.get("TINYSHAKESPEARE_URL",
+                     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt")
 SIZE = 1_115_394
 SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 DEFAULT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tinyshakespeare", "input.txt")

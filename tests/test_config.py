@@ -99,3 +99,10 @@ def test_main_reports_an_unwritable_snapshot_path_before_training(shakespeare, t
     assert result.returncode == 1
     assert "error: trainer_config.snapshot_path: cannot write to" in result.stderr
     assert "step " not in result.stdout
+
+
+def test_ci_runs_the_test_command_the_readme_gives():
+    readme, ci = (REPO / "README.md").read_text(), (REPO / ".ci" / "run").read_text()
+    command = readme.split("## Tests", 1)[1].split("```bash\n", 1)[1].split("\n", 1)[0]
+    assert command == "python3 -m pytest -q"
+    assert any(line.split("#")[0].strip() == command for line in ci.splitlines())
