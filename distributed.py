@@ -117,15 +117,15 @@ def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def all_agree(ok: bool) -> bool:
-    """True only if every rank says ok: lets one rank's failure stop all of them cleanly."""
+def any_rank(flag: bool) -> bool:
+    """True on every rank if it is true on at least one (an all-reduce with MAX)."""
     if not dist.is_initialized():
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
     if dist.get_backend() == "nccl":
-        flag = flag.cuda()
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def all_gather_objects(obj):

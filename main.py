@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from char_dataset import CharDataset, DataConfig, DatasetError
 from config import ConfigError, build_config, to_dict
 from data.fetch_shakespeare import FetchError, ensure_tinyshakespeare
-from distributed import (DistContext, all_gather_objects, print0, setup_distributed,
+from distributed import (DistContext, all_gather_objects, barrier, print0, setup_distributed,
                          teardown_distributed)
 from model import GPT, GPTConfig
 from snapshot import SnapshotError, SnapshotStore
@@ -88,14 +88,18 @@ def run(raw: dict[str, Any]) -> int:
         gpt_cfg.vocab_size, gpt_cfg.block_size = dataset.vocab_size, data_cfg.block_size
         torch.manual_seed(tcfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
         model = GPT(gpt_cfg)
-        store = SnapshotStore(tcfg.snapshot_path, tcfg.keep_last)
+        store = SnapshotStore(tcfg.snapshot_path, tcfg.keep_last, tcfg.s3_endpoint_url)
         # Rank 0 writes the snapshots, so rank 0 probes the destination: now, not at the first save an hour in.
         on_all_ranks(store.check_writable if ctx.is_main else lambda: None)
         run_config = {name: to_dict(section) for name, section in cfg.items()}
         trainer = Trainer(model, dataset, tcfg, cfg["optimizer_config"], ctx, run_config, store)
         on_all_ranks(trainer.resume)
-        trainer.train()
-        return 0
+        finished = trainer.train()
+        # Leave together: a rank exiting while rank 0 still writes its last snapshot
+        # has been seen to abort the gloo teardown ("terminate called without an active exception").
+        barrier()
+        # Stopped by a signal: non-zero, so schedulers (Kubernetes, SLURM) know the job is not done.
+        return 0 if finished else 128 + (trainer.stop_signal or 15)
     except (StartupError, *USER_ERRORS) as e:
         if ctx is None or ctx.is_main:
             print(f"error: {e}", file=sys.stderr, flush=True)

@@ -29,14 +29,16 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import re
+import threading
+import time
 import uuid
+from typing import Any
 
-import fsspec
 import torch
 
-from distributed import warn0
+from distributed import print0, warn0
+from storage import open_storage
 
 MANIFEST = "latest.json"
 _SNAPSHOT_RE = re.compile(r"^snapshot_(\d+)\.pt$")
@@ -46,104 +48,52 @@ class SnapshotError(RuntimeError):
     """Snapshot storage is unusable or a snapshot cannot be used; the message names the fix."""
 
 
-class LocalStorage:
-    """A directory on a local or shared (NFS, Lustre) filesystem, with atomic writes."""
-
-    def __init__(self, root: str):
-        self.root = os.path.abspath(os.path.expanduser(root))
-
-    def write(self, name: str, data: bytes) -> None:
-        os.makedirs(self.root, exist_ok=True)
-        final = os.path.join(self.root, name)
-        # Write beside the target (same filesystem, so the rename is atomic),
-        # flush it to disk, then rename over the target: readers see the old file
-        # or the complete new one, never a partial one.
-        tmp = os.path.join(self.root, f".{name}.{uuid.uuid4().hex}.tmp")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-        # fsync the directory so the rename itself survives a power cut.
-        dir_fd = os.open(self.root, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-
-    def read(self, name: str) -> bytes:
-        with open(os.path.join(self.root, name), "rb") as f:
-            return f.read()
-
-    def delete(self, name: str) -> None:
-        try:
-            os.remove(os.path.join(self.root, name))
-        except FileNotFoundError:
-            pass
-
-    def list(self) -> list[str]:
-        return os.listdir(self.root) if os.path.isdir(self.root) else []
+def _hint(error: Exception) -> str:
+    """What to fix, for the storage errors people actually hit."""
+    text = f"{type(error).__name__}: {error}"
+    if "Credentials" in type(error).__name__ or "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text:
+        return "check the AWS credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE)"
+    if "NoSuchBucket" in text:
+        return "create the bucket or fix the bucket name in trainer_config.snapshot_path"
+    if "EndpointConnection" in type(error).__name__ or "Connect" in type(error).__name__:
+        return "check trainer_config.s3_endpoint_url / AWS_ENDPOINT_URL and that the server is reachable"
+    return "point trainer_config.snapshot_path at a writable location"
 
 
-class FsspecStorage:
-    """Any fsspec URL (memory://, gs://, az://, ...). Object stores publish an object only when
-    its upload completes, so a plain write is already all-or-nothing there."""
+def copy_to_cpu(obj: Any) -> Any:
+    """A deep copy of a state dict with every tensor cloned to CPU memory.
 
-    def __init__(self, url: str):
-        self.fs, self.root = fsspec.core.url_to_fs(url)
-
-    def _path(self, name: str) -> str:
-        return f"{self.root.rstrip('/')}/{name}"
-
-    def write(self, name: str, data: bytes) -> None:
-        self.fs.makedirs(self.root, exist_ok=True)
-        self.fs.pipe_file(self._path(name), data)
-
-    def read(self, name: str) -> bytes:
-        return self.fs.cat_file(self._path(name))
-
-    def delete(self, name: str) -> None:
-        try:
-            self.fs.rm_file(self._path(name))
-        except FileNotFoundError:
-            pass
-
-    def list(self) -> list[str]:
-        try:
-            return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)]
-        except FileNotFoundError:
-            return []
-
-
-def open_storage(url: str) -> LocalStorage | FsspecStorage:
-    """Pick the storage for a URL: plain paths and file:// are local, everything else goes through fsspec."""
-    if "://" not in url:
-        return LocalStorage(url)
-    if url.startswith("file://"):
-        return LocalStorage(url[len("file://") :])
-    return FsspecStorage(url)
+    Training goes on updating the live tensors in place, so a background save must
+    work on its own copy; this copy is the only part of an async save that stalls
+    training.
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: copy_to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(copy_to_cpu(v) for v in obj)
+    return obj
 
 
 class SnapshotStore:
-    def __init__(self, url: str, keep_last: int = 3):
+    def __init__(self, url: str, keep_last: int = 3, s3_endpoint_url: str = ""):
         self.url = url
         self.keep_last = keep_last
-        self.storage = open_storage(url)
+        self.storage = open_storage(url, s3_endpoint_url)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
 
     def check_writable(self) -> None:
-        """Write and delete a probe object, so a bad path fails now rather than at the first save."""
+        """Write and delete a probe object, so a bad path, bucket or credential fails now,
+        before training, rather than at the first save an hour in."""
         probe = f".probe-{uuid.uuid4().hex}"
         try:
             self.storage.write(probe, b"ok")
             self.storage.delete(probe)
-        except Exception as e:  # noqa: BLE001 - any failure here means the same fix
+        except Exception as e:  # noqa: BLE001 - reported with a hint, whatever it is
             raise SnapshotError(
-                f"trainer_config.snapshot_path: cannot write to {self.url!r} ({type(e).__name__}: {e}); "
-                "point it at a writable location"
+                f"trainer_config.snapshot_path: cannot write to {self.url!r} ({type(e).__name__}: {e}); {_hint(e)}"
             ) from None
 
     def _manifest(self) -> list[dict]:
@@ -157,7 +107,14 @@ class SnapshotStore:
             return []
 
     def save(self, state: dict, step: int) -> dict:
-        """Serialize and commit one snapshot; returns its manifest entry."""
+        """Serialize and commit one snapshot now; returns its manifest entry."""
+        try:
+            return self._commit(state, step)
+        except Exception as e:  # noqa: BLE001 - reported with a hint, whatever it is
+            raise SnapshotError(f"snapshot save of step {step} to {self.url!r} failed "
+                                f"({type(e).__name__}: {e}); {_hint(e)}") from e
+
+    def _commit(self, state: dict, step: int) -> dict:
         buf = io.BytesIO()
         torch.save(state, buf)
         data = buf.getvalue()
@@ -165,11 +122,48 @@ class SnapshotStore:
                  "sha256": hashlib.sha256(data).hexdigest()}
         self.storage.write(entry["file"], data)  # 1. the snapshot, complete
         entries = [e for e in self._manifest() if e["step"] != step] + [entry]
-        kept, dropped = entries[-self.keep_last :], entries[: -self.keep_last]
+        kept, dropped = entries[-self.keep_last:], entries[:-self.keep_last]
         self.storage.write(MANIFEST, json.dumps({"snapshots": kept}, indent=1).encode())  # 2. commit
         for old in dropped:  # 3. only now is it safe to forget old snapshots
             self.storage.delete(old["file"])
         return entry
+
+    def save_async(self, state: dict, step: int) -> None:
+        """Copy state to CPU memory now, write it in a background thread while training goes on.
+
+        At most one save is in flight: a second call first waits for the first.
+        A failed background write is logged at once and raised by the next
+        save_async(), wait() or raise_if_failed(), so the job fails instead of
+        silently running on without snapshots.
+        """
+        self.wait()
+        cpu_state = copy_to_cpu(state)
+
+        def write() -> None:
+            t0 = time.perf_counter()
+            try:
+                entry = self._commit(cpu_state, step)
+                print0(f"snapshot | step {step} | {entry['bytes'] / 1e6:.1f} MB | written in background "
+                       f"in {time.perf_counter() - t0:.2f} s | {self.url}/{entry['file']}")
+            except BaseException as e:  # noqa: BLE001 - handed to the training thread
+                warn0(f"background snapshot save of step {step} to {self.url} failed: {type(e).__name__}: {e}")
+                self._error = e
+
+        self._thread = threading.Thread(target=write, name=f"snapshot-{step}", daemon=True)
+        self._thread.start()
+
+    def raise_if_failed(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise SnapshotError(f"background snapshot save to {self.url!r} failed "
+                                f"({type(error).__name__}: {error}); {_hint(error)}") from error
+
+    def wait(self) -> None:
+        """Block until the background save (if any) has finished; raise if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.raise_if_failed()
 
     def _candidates(self) -> list[dict]:
         """Snapshots to try, newest first: the manifest's, or (without one) whatever files exist."""

@@ -14,7 +14,10 @@ on the world size, a snapshot taken with 4 ranks resumes correctly with 2.
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import signal
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -22,13 +25,13 @@ from typing import Any, ClassVar
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DistributedSampler
 
 from char_dataset import CharDataset
 from config import ConfigError
-from distributed import DistContext, all_gather_objects, all_reduce_mean, print0
+from distributed import DistContext, all_gather_objects, all_reduce_mean, any_rank, print0
 from metrics import MetricsLog, ProgressLine, format_duration
 from model import GPT, GPTConfig
+from sampler import ResumableDistributedSampler
 from snapshot import SnapshotError, SnapshotStore
 
 
@@ -93,8 +96,14 @@ class TrainerConfig:
     seed: int = 1337
     sample_chars: int = 200
     """Characters generated at each evaluation (0: none)."""
+    async_save: bool = False
+    """Copy the state to CPU memory and write the snapshot in a background thread while training goes on."""
+    s3_endpoint_url: str = ""
+    """Endpoint for s3:// snapshot paths (MinIO, Ceph, R2...); empty: AWS_ENDPOINT_URL or AWS itself."""
     collective_timeout_s: float = 600.0
     """A collective that waits longer than this fails instead of hanging the job."""
+    trace_samples_path: str = ""
+    """Directory for per-rank JSON lines of the window starts each rank trains on (to audit data order)."""
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "batch_size", "grad_accum_steps", "eval_every", "eval_iters",
@@ -103,36 +112,6 @@ class TrainerConfig:
                 raise ConfigError(f"trainer_config.{name} must be positive, got {getattr(self, name)}")
         if self.sample_chars < 0 or self.collective_timeout_s <= 0:
             raise ConfigError("trainer_config: sample_chars must be >= 0 and collective_timeout_s > 0")
-
-
-class ResumableDistributedSampler(DistributedSampler):
-    """DistributedSampler that can start mid-epoch, at a position counted in global samples.
-
-    Like its parent (shuffle=True, drop_last=True) it draws one permutation per
-    epoch from seed + epoch and gives rank r the positions r, r+W, r+2W, ...;
-    set_start(n) skips the first n positions of that permutation, whatever the
-    world size was when they were consumed.
-    """
-
-    def __init__(self, dataset, num_replicas: int, rank: int, seed: int):
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
-        self.start = 0
-
-    def set_start(self, global_samples_consumed: int) -> None:
-        self.start = global_samples_consumed
-
-    def local_indices(self) -> torch.Tensor:
-        g = torch.Generator()
-        g.manual_seed(self.seed + self.epoch)  # same permutation on every rank
-        perm = torch.randperm(len(self.dataset), generator=g)
-        per_rank = (len(perm) - self.start) // self.num_replicas  # equal shares, remainder dropped
-        return perm[self.start + self.rank : self.start + per_rank * self.num_replicas : self.num_replicas]
-
-    def __iter__(self):
-        return iter(self.local_indices().tolist())
-
-    def __len__(self) -> int:
-        return (len(self.dataset) - self.start) // self.num_replicas
 
 
 class Trainer:
@@ -155,6 +134,11 @@ class Trainer:
         # different samples); all streams follow from the one configured seed.
         torch.manual_seed(trainer_cfg.seed + ctx.rank)
         self.metrics = MetricsLog(trainer_cfg.metrics_path if ctx.is_main else "")
+        self.stop_signal: int | None = None  # set by SIGTERM/SIGINT: finish the step, snapshot, exit
+        self._trace = None
+        if trainer_cfg.trace_samples_path:
+            os.makedirs(trainer_cfg.trace_samples_path, exist_ok=True)
+            self._trace = open(os.path.join(trainer_cfg.trace_samples_path, f"rank{ctx.rank}.jsonl"), "a")
 
     # ----------------------------------------------------------------- snapshots
     def state_dict(self) -> dict[str, Any]:
@@ -197,14 +181,26 @@ class Trainer:
             torch.set_rng_state(rng["cpu"])
             if rng["cuda"] is not None and self.device.type == "cuda":
                 torch.cuda.set_rng_state(rng["cuda"], self.device)
+        else:
+            # Ranks no longer map one-to-one onto the saved streams: start new ones,
+            # still a function of the seed, and of the step so they do not replay step 0's.
+            torch.manual_seed(self.cfg.seed + 100_003 * self.step + self.ctx.rank)
 
-    def save_snapshot(self) -> None:
+    def save_snapshot(self, block: bool = False) -> float:
+        """Save the current state; returns the seconds training was stalled by it."""
+        t0 = time.perf_counter()
         state = self.state_dict()  # every rank takes part in gathering the RNG states...
         if self.ctx.is_main:  # ...but only global rank 0 writes: one snapshot per job, not per node
-            t0 = time.perf_counter()
-            entry = self.store.save(state, self.step)
-            print0(f"snapshot | step {self.step} | {entry['bytes'] / 1e6:.1f} MB | "
-                   f"{time.perf_counter() - t0:.2f} s | {self.store.url}/{entry['file']}")
+            if self.cfg.async_save and not block:
+                self.store.save_async(state, self.step)
+                print0(f"snapshot | step {self.step} | copied to CPU in {time.perf_counter() - t0:.3f} s, "
+                       "writing in the background")
+            else:
+                self.store.wait()  # a background save still in flight must land first
+                entry = self.store.save(state, self.step)
+                print0(f"snapshot | step {self.step} | {entry['bytes'] / 1e6:.1f} MB | "
+                       f"{time.perf_counter() - t0:.2f} s | {self.store.url}/{entry['file']}")
+        return time.perf_counter() - t0
 
     def resume(self) -> None:
         state = self.store.load_latest(map_location=self.device)
@@ -229,6 +225,9 @@ class Trainer:
         i = (self.samples_consumed - self._local_key[1]) // W  # position in this rank's share
         starts = self._local[i : i + B]  # (B,) window starts for this rank
         self.samples_consumed += W * B
+        if self._trace is not None:
+            self._trace.write(json.dumps({"step": self.step + 1, "epoch": self.epoch, "starts": starts.tolist()}) + "\n")
+            self._trace.flush()
         x, y = self.dataset.train.batch(starts)  # (B, T) each
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
@@ -276,7 +275,26 @@ class Trainer:
         self.step += 1
         return loss_sum / n_micro
 
-    def train(self) -> None:
+    def _request_stop(self, signum: int, frame) -> None:
+        if self.stop_signal is not None:  # a second signal: stop right now
+            signal.signal(signum, signal.SIG_DFL)
+            raise KeyboardInterrupt
+        self.stop_signal = signum
+
+    def train(self) -> bool:
+        """Train to max_steps; returns False if stopped early by SIGTERM/SIGINT (after a snapshot)."""
+        # SIGTERM is what SLURM, Kubernetes and torchrun send before killing a job:
+        # finish the step on every rank, snapshot, exit, instead of losing the work since the last save.
+        handlers = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            return self._train_loop()
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+            if self.ctx.is_main:
+                self.store.wait()  # the final save is on disk before the process exits
+
+    def _train_loop(self) -> bool:
         cfg, W = self.cfg, self.ctx.world_size
         tokens_per_step = cfg.batch_size * self.raw_model.config.block_size * W * cfg.grad_accum_steps
         epochs = cfg.max_steps * tokens_per_step / self.raw_model.config.block_size / len(self.dataset.train)
@@ -285,7 +303,7 @@ class Trainer:
                f"steps {self.step}->{cfg.max_steps} (~{epochs:.2f} epochs)")
         if self.step >= cfg.max_steps:
             print0(f"train | snapshot is already at step {self.step} >= max_steps {cfg.max_steps}; nothing to do")
-            return
+            return True
         progress = ProgressLine(cfg.max_steps, enabled=self.ctx.is_main)
         start_step, t_start = self.step, time.perf_counter()
         t_last, step_last = t_start, self.step
@@ -318,6 +336,16 @@ class Trainer:
                 self.metrics.write(record)
                 t_last, step_last, loss_acc = time.perf_counter(), step, torch.zeros((), device=self.device)
             if step % cfg.save_every == 0 or last:
-                self.save_snapshot()
+                self.save_snapshot(block=last)
+            if self.ctx.is_main:
+                self.store.raise_if_failed()  # a failed background save fails the job now
+            if not last and any_rank(self.stop_signal is not None):
+                progress.clear()
+                print0(f"preempted | {signal.Signals(self.stop_signal or signal.SIGTERM).name} received | "
+                       f"saving step {step}; rerun the same command to continue")
+                if step % cfg.save_every:
+                    self.save_snapshot(block=True)
+                return False
         progress.clear()
         print0(f"done | step {self.step} | {format_duration(time.perf_counter() - t_start)} wall time this run")
+        return True

@@ -3,7 +3,7 @@
 import torch
 from torch.utils.data import DistributedSampler
 
-from trainer import ResumableDistributedSampler
+from sampler import ResumableDistributedSampler
 
 
 class Range(torch.utils.data.Dataset):

@@ -1,0 +1,153 @@
+"""Byte storage for snapshots: local/shared directories, S3 (boto3) and any other fsspec URL.
+
+Every backend offers the same four operations on named objects under one root:
+write (all-or-nothing), read, delete, list. The same library reads what it
+wrote for every scheme: boto3 for s3://, fsspec for the others, plain files for
+paths. snapshot.py builds manifests, checksums and retention on top of this.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import uuid
+from urllib.parse import urlparse
+
+import fsspec
+
+
+class LocalStorage:
+    """A directory on a local or shared (NFS, Lustre) filesystem, with atomic writes."""
+
+    def __init__(self, root: str):
+        self.root = os.path.abspath(os.path.expanduser(root))
+
+    def write(self, name: str, data: bytes) -> None:
+        os.makedirs(self.root, exist_ok=True)
+        # Write beside the target (same filesystem, so the rename is atomic), flush
+        # it to disk, then rename over the target: readers see the old file or the
+        # complete new one, never a partial one.
+        tmp = os.path.join(self.root, f".{name}.{uuid.uuid4().hex}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, os.path.join(self.root, name))
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        # fsync the directory too, so the rename itself survives a power cut.
+        dir_fd = os.open(self.root, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def read(self, name: str) -> bytes:
+        with open(os.path.join(self.root, name), "rb") as f:
+            return f.read()
+
+    def delete(self, name: str) -> None:
+        try:
+            os.remove(os.path.join(self.root, name))
+        except FileNotFoundError:
+            pass
+
+    def list(self) -> list[str]:
+        return os.listdir(self.root) if os.path.isdir(self.root) else []
+
+
+class S3Storage:
+    """s3://bucket/prefix through boto3; works with AWS and S3-compatible servers (MinIO, Ceph, R2).
+
+    Endpoint, region and credentials come from the standard AWS sources (environment,
+    ~/.aws/config, instance roles), AWS_ENDPOINT_URL included; `endpoint_url` overrides
+    the endpoint. An S3 object becomes visible only when its upload completes, so
+    every write is all-or-nothing; big objects go up as parallel multipart uploads
+    and come down as parallel ranged GETs.
+    """
+
+    def __init__(self, url: str, endpoint_url: str = ""):
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+        from botocore.config import Config
+
+        parsed = urlparse(url)
+        self.bucket, self.prefix = parsed.netloc, parsed.path.strip("/")
+        self.client = boto3.session.Session().client(
+            "s3", endpoint_url=endpoint_url or None,
+            config=Config(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=10, read_timeout=120))
+        self.transfer = TransferConfig(multipart_threshold=16 << 20, multipart_chunksize=16 << 20, max_concurrency=8)
+
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def write(self, name: str, data: bytes) -> None:
+        self.client.upload_fileobj(io.BytesIO(data), self.bucket, self._key(name), Config=self.transfer)
+
+    def read(self, name: str) -> bytes:
+        from botocore.exceptions import ClientError
+
+        buf = io.BytesIO()
+        try:
+            self.client.download_fileobj(self.bucket, self._key(name), buf, Config=self.transfer)
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey"):
+                raise FileNotFoundError(f"s3://{self.bucket}/{self._key(name)}") from None
+            raise
+        return buf.getvalue()
+
+    def delete(self, name: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=self._key(name))
+
+    def list(self) -> list[str]:
+        prefix = f"{self.prefix}/" if self.prefix else ""
+        names = []
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+            names += [obj["Key"][len(prefix):] for obj in page.get("Contents", []) if "/" not in obj["Key"][len(prefix):]]
+        return names
+
+
+class FsspecStorage:
+    """Any other fsspec URL (memory://, gs://, az://, ... when their packages are installed).
+    Object stores publish an object only when its upload completes."""
+
+    def __init__(self, url: str):
+        self.fs, self.root = fsspec.core.url_to_fs(url)
+
+    def _path(self, name: str) -> str:
+        return f"{self.root.rstrip('/')}/{name}"
+
+    def write(self, name: str, data: bytes) -> None:
+        self.fs.makedirs(self.root, exist_ok=True)
+        self.fs.pipe_file(self._path(name), data)
+
+    def read(self, name: str) -> bytes:
+        return self.fs.cat_file(self._path(name))
+
+    def delete(self, name: str) -> None:
+        try:
+            self.fs.rm_file(self._path(name))
+        except FileNotFoundError:
+            pass
+
+    def list(self) -> list[str]:
+        try:
+            return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)]
+        except FileNotFoundError:
+            return []
+
+
+Storage = LocalStorage | S3Storage | FsspecStorage
+
+
+def open_storage(url: str, s3_endpoint_url: str = "") -> Storage:
+    """Plain paths and file:// are local, s3:// goes through boto3, everything else through fsspec."""
+    if "://" not in url:
+        return LocalStorage(url)
+    if url.startswith("file://"):
+        return LocalStorage(url[len("file://"):])
+    if url.startswith("s3://"):
+        return S3Storage(url, s3_endpoint_url)
+    return FsspecStorage(url)
