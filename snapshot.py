@@ -29,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import re
 import threading
 import time
@@ -42,7 +41,6 @@ from distributed import print0, warn0
 from storage import open_storage
 
 MANIFEST = "latest.json"
-BACKGROUND_NICE = 10  # CPU priority of the async writer thread (0 = same as training, 19 = lowest)
 _SNAPSHOT_RE = re.compile(r"^snapshot_(\d+)\.pt$")
 
 
@@ -149,13 +147,6 @@ class SnapshotStore:
         cpu_state = copy_to_cpu(state)
 
         def write() -> None:
-            # Run the writer at a lower CPU priority (Linux: nice is per thread, and
-            # threads it starts, such as boto3's upload workers, inherit it): it should
-            # use the cycles training leaves idle, not take them from the training step.
-            try:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
-            except (AttributeError, OSError):
-                pass
             t0 = time.perf_counter()
             try:
                 entry = self._commit(cpu_state, step)
