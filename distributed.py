@@ -77,16 +77,57 @@ def setup_distributed(timeout_s: float = 600.0) -> DistContext:
     # keeps that store alive across restarts of the workers, so each attempt gets
     # its own key space: otherwise a restarted group can read the dead attempt's
     # keys and hang while connecting (pytorch/pytorch#135712).
-    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
-    store = dist.PrefixStore(f"attempt_{restart_count}", store)
+    global _JOB_STORE
+    _JOB_STORE, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    _JOB_STORE.set(f"attempt_{restart_count}/world_size", str(world_size))
+    store = dist.PrefixStore(f"attempt_{restart_count}", _JOB_STORE)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     return DistContext(rank, local_rank, world_size, device, restart_count)
 
 
+# The launcher's key-value store. Under torchrun it outlives the workers, so one
+# attempt can leave notes there for the next: why each rank of it exited.
+_JOB_STORE: dist.Store | None = None
+
+
+def record_exit(ctx: DistContext | None, reason: str) -> None:
+    """Leave this rank's reason for exiting in the job store, for the next attempt to report."""
+    if _JOB_STORE is not None and ctx is not None:
+        try:
+            _JOB_STORE.set(f"attempt_{ctx.restart_count}/exit/{ctx.rank}", reason[:500])
+        except Exception:  # noqa: BLE001 - best effort: the store may be gone too
+            pass
+
+
+def previous_attempt_report(ctx: DistContext) -> str:
+    """After a restart: which ranks of the previous attempt failed, and how (from their notes).
+
+    A rank that left no note was killed outright (SIGKILL, the OOM killer, a lost
+    node); ranks that did leave one usually failed because a peer vanished.
+    """
+    if ctx.restart_count == 0 or _JOB_STORE is None:
+        return ""
+    prefix = f"attempt_{ctx.restart_count - 1}"
+    try:
+        if not _JOB_STORE.check([f"{prefix}/world_size"]):
+            return ""
+        world = int(_JOB_STORE.get(f"{prefix}/world_size"))
+        notes = {r: _JOB_STORE.get(f"{prefix}/exit/{r}").decode()
+                 for r in range(world) if _JOB_STORE.check([f"{prefix}/exit/{r}"])}
+    except Exception:  # noqa: BLE001 - a report, never a reason to fail
+        return ""
+    silent = [r for r in range(world) if r not in notes]
+    parts = [f"rank {r} died without a word (killed: SIGKILL, OOM killer or a lost node)" for r in silent]
+    parts += [f"rank {r}: {note}" for r, note in notes.items()]
+    return f"previous attempt (world size {world}): " + "; ".join(parts)
+
+
 def teardown_distributed() -> None:
     """Leave the process group. Called from `finally`, so it runs on errors too."""
+    global _JOB_STORE
     if dist.is_initialized():
         dist.destroy_process_group()
+    _JOB_STORE = None  # close the store connection now, not during interpreter shutdown
 
 
 _IS_MAIN = os.environ.get("RANK", "0") == "0"

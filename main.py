@@ -22,8 +22,8 @@ from omegaconf import DictConfig, OmegaConf
 from char_dataset import CharDataset, DataConfig, DatasetError
 from config import ConfigError, build_config, to_dict
 from data.fetch_shakespeare import FetchError, ensure_tinyshakespeare
-from distributed import (DistContext, all_gather_objects, barrier, print0, setup_distributed,
-                         teardown_distributed)
+from distributed import (DistContext, all_gather_objects, barrier, previous_attempt_report, print0,
+                         record_exit, setup_distributed, teardown_distributed)
 from model import GPT, GPTConfig
 from snapshot import SnapshotError, SnapshotStore
 from trainer import OptimizerConfig, Trainer, TrainerConfig
@@ -81,6 +81,9 @@ def run(raw: dict[str, Any]) -> int:
         ctx = setup_distributed(tcfg.collective_timeout_s)
         print0(f"job | world size {ctx.world_size} | backend {torch.distributed.get_backend() if ctx.distributed else 'none'}"
                f" | device {ctx.device} | restart {ctx.restart_count} | seed {tcfg.seed}")
+        if ctx.restart_count and ctx.is_main:
+            print0(f"restart | torchrun restarted the workers (TORCHELASTIC_RESTART_COUNT={ctx.restart_count}) | "
+                   f"{previous_attempt_report(ctx) or 'no report from the previous attempt'}")
         on_all_ranks(lambda: fetch_default_corpus(data_cfg, ctx))
         dataset = on_all_ranks(lambda: CharDataset(data_cfg))
         print0(f"data | {data_cfg.path} | {len(dataset.data):,} characters | vocabulary {dataset.vocab_size} | "
@@ -101,9 +104,15 @@ def run(raw: dict[str, Any]) -> int:
         # Stopped by a signal: non-zero, so schedulers (Kubernetes, SLURM) know the job is not done.
         return 0 if finished else 128 + (trainer.stop_signal or 15)
     except (StartupError, *USER_ERRORS) as e:
+        record_exit(ctx, f"{type(e).__name__}: {e}")
         if ctx is None or ctx.is_main:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
+    except BaseException as e:
+        # Anything else (a peer vanished mid-collective, a timeout, a bug): note it for
+        # the next attempt's report, then let it propagate with its traceback.
+        record_exit(ctx, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        raise
     finally:
         teardown_distributed()
 
@@ -116,4 +125,16 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+        code = 0
+    except SystemExit as e:  # run()'s exit code, or Hydra's after it reported an error
+        code = e.code if isinstance(e.code, int) else 1
+    # Leave without running C++ static destructors: after a clean teardown, gloo's
+    # exit-time destructors still abort about one process in 40 here with
+    # "terminate called without an active exception" (no Python frame involved),
+    # which would turn a finished job into a failed one. Everything is saved and
+    # the process group destroyed by now; only the output buffers need flushing.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from char_dataset import CharDataset
 from config import ConfigError
-from distributed import DistContext, all_gather_objects, all_reduce_mean, any_rank, print0
+from distributed import DistContext, all_gather_objects, all_reduce_mean, any_rank, print0, warn0
 from metrics import MetricsLog, ProgressLine, format_duration
 from model import GPT, GPTConfig
 from sampler import ResumableDistributedSampler
@@ -129,6 +129,7 @@ class Trainer:
             if ctx.distributed else model
         self.sampler = ResumableDistributedSampler(dataset.train, ctx.world_size, ctx.rank, trainer_cfg.seed)
         self.step, self.epoch, self.samples_consumed = 0, 0, 0
+        self.accum_steps = trainer_cfg.grad_accum_steps  # may change on resume at another world size
         self._local_key: tuple[int, int] | None = None  # (epoch, start) of the cached index shard
         # Each rank gets its own random stream (dropout must differ across ranks'
         # different samples); all streams follow from the one configured seed.
@@ -151,6 +152,7 @@ class Trainer:
             "format_version": 1,
             "step": self.step, "epoch": self.epoch, "samples_consumed": self.samples_consumed,
             "world_size": self.ctx.world_size,
+            "global_batch": self.cfg.batch_size * self.ctx.world_size * self.accum_steps,
             "model": self.raw_model.state_dict(),  # the unwrapped module: no "module." prefixes
             "optimizer": self.optimizer.state_dict(),
             "rng": rng,
@@ -185,6 +187,19 @@ class Trainer:
             # Ranks no longer map one-to-one onto the saved streams: start new ones,
             # still a function of the seed, and of the step so they do not replay step 0's.
             torch.manual_seed(self.cfg.seed + 100_003 * self.step + self.ctx.rank)
+            self._keep_global_batch(state["global_batch"])
+
+    def _keep_global_batch(self, global_batch: int) -> None:
+        """At a new world size, keep the global batch (and so the meaning of a step and of the
+        learning-rate schedule) by changing gradient accumulation; the per-rank batch stays."""
+        per_micro_step = self.cfg.batch_size * self.ctx.world_size
+        if global_batch % per_micro_step:
+            warn0(f"global batch {global_batch} is not a multiple of batch_size x world size = {per_micro_step}; "
+                  f"continuing with a global batch of {per_micro_step * self.accum_steps}")
+            return
+        self.accum_steps = global_batch // per_micro_step
+        print0(f"resume | world size changed: global batch kept at {global_batch} windows = "
+               f"{self.cfg.batch_size} per rank x {self.ctx.world_size} ranks x {self.accum_steps} accumulation steps")
 
     def save_snapshot(self, block: bool = False) -> float:
         """Save the current state; returns the seconds training was stalled by it."""
@@ -257,7 +272,7 @@ class Trainer:
         lr = self.optim_cfg.lr_at(self.step, self.cfg.max_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        n_micro = self.cfg.grad_accum_steps
+        n_micro = self.accum_steps
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(n_micro):
             x, y = self._next_batch()
@@ -296,10 +311,10 @@ class Trainer:
 
     def _train_loop(self) -> bool:
         cfg, W = self.cfg, self.ctx.world_size
-        tokens_per_step = cfg.batch_size * self.raw_model.config.block_size * W * cfg.grad_accum_steps
+        tokens_per_step = cfg.batch_size * self.raw_model.config.block_size * W * self.accum_steps
         epochs = cfg.max_steps * tokens_per_step / self.raw_model.config.block_size / len(self.dataset.train)
         print0(f"train | {self.raw_model.num_params() / 1e6:.2f}M parameters | world size {W} | "
-               f"global batch {cfg.batch_size * W * cfg.grad_accum_steps} windows = {tokens_per_step} tokens | "
+               f"global batch {cfg.batch_size * W * self.accum_steps} windows = {tokens_per_step} tokens | "
                f"steps {self.step}->{cfg.max_steps} (~{epochs:.2f} epochs)")
         if self.step >= cfg.max_steps:
             print0(f"train | snapshot is already at step {self.step} >= max_steps {cfg.max_steps}; nothing to do")

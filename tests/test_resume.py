@@ -125,7 +125,7 @@ def test_resume_at_another_world_size_sees_every_remaining_sample_once(before, a
     corpus.write_text(shakespeare.read_text()[:1500])  # 1318 training windows of 32: a short epoch
     n_windows, batch, first_leg = int(1500 * 0.9) - 32, 4, 20
     consumed = first_leg * before * batch
-    remaining_steps = (n_windows - consumed) // (after * batch)
+    remaining_steps = (n_windows - consumed) // (before * batch)  # the global batch is kept: accumulation grows
     common = dict(eval_every=10_000, save_every=first_leg, trace_samples_path=tmp_path / "trace")
     first = run_main(tiny_overrides(corpus, tmp_path, max_steps=first_leg, **common), nproc=before)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -135,4 +135,5 @@ def test_resume_at_another_world_size_sees_every_remaining_sample_once(before, a
            f"{before}, now {after}" in second.stdout
     seen = _epoch0_starts(tmp_path / "trace")
     assert len(seen) == len(set(seen))  # nothing repeated
-    assert len(seen) == n_windows - (n_windows - consumed) % (after * batch)  # nothing skipped but the last partial batch
+    assert f"global batch kept at {before * batch} windows" in second.stdout
+    assert len(seen) == n_windows - (n_windows - consumed) % (before * batch)  # nothing skipped but the last partial batch
