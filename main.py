@@ -117,14 +117,17 @@ def run(raw: dict[str, Any]) -> int:
         teardown_distributed()
 
 
-@hydra.main(config_path=".", config_name="gpt2_train_cfg", version_base=None)
+# An absolute config_path: the YAML is found wherever you launch from, and also when
+# this module is imported by another entry point.
+@hydra.main(config_path=os.path.dirname(os.path.abspath(__file__)), config_name="gpt2_train_cfg", version_base=None)
 def main(cfg: DictConfig) -> None:
     # Hydra has merged the YAML with the command-line overrides; from here on the
     # config is plain data, validated by the dataclasses.
     sys.exit(run(OmegaConf.to_container(cfg, resolve=True)))
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """Run main() and exit the process with its code."""
     try:
         main()
         code = 0
@@ -138,3 +141,7 @@ if __name__ == "__main__":
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+if __name__ == "__main__":
+    cli()

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import signal
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -187,7 +188,6 @@ class Trainer:
             # Ranks no longer map one-to-one onto the saved streams: start new ones,
             # still a function of the seed, and of the step so they do not replay step 0's.
             torch.manual_seed(self.cfg.seed + 100_003 * self.step + self.ctx.rank)
-            self._keep_global_batch(state["global_batch"])
 
     def _keep_global_batch(self, global_batch: int) -> None:
         """At a new world size, keep the global batch (and so the meaning of a step and of the
@@ -225,6 +225,8 @@ class Trainer:
         self.load_state_dict(state)
         print0(f"resume | step {self.step} | epoch {self.epoch} | {self.samples_consumed} samples into the epoch "
                f"| saved at world size {state['world_size']}, now {self.ctx.world_size} | from {self.store.url}")
+        if state["world_size"] != self.ctx.world_size:
+            self._keep_global_batch(state["global_batch"])
         self.metrics.truncate_after(self.step)  # steps after the snapshot will be redone
 
     # --------------------------------------------------------------------- data
@@ -295,6 +297,12 @@ class Trainer:
             signal.signal(signum, signal.SIG_DFL)
             raise KeyboardInterrupt
         self.stop_signal = signum
+        # The loop will stop at the end of this step. A rank stuck somewhere (a hung
+        # filesystem, a deadlock) never gets there: give up after the collective
+        # timeout so the launcher can restart the group without waiting longer.
+        timer = threading.Timer(self.cfg.collective_timeout_s, os._exit, args=(128 + signum,))
+        timer.daemon = True
+        timer.start()
 
     def train(self) -> bool:
         """Train to max_steps; returns False if stopped early by SIGTERM/SIGINT (after a snapshot)."""
