@@ -3,6 +3,7 @@
     python sample.py                                   # newest snapshot of the default run
     python sample.py --snapshot runs/shakespeare_char/snapshots --prompt "ROMEO:" --chars 500
     python sample.py --snapshot s3://bucket/run/snapshots --device cuda --top-k 40 --seed 7
+    python sample.py --snapshot model.pt               # a file from `python snapshot.py consolidate`
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+import fsspec
 import torch
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from char_dataset import CharTokenizer
 from config import build_section
@@ -19,15 +22,26 @@ from snapshot import SnapshotError, SnapshotStore
 from trainer import TrainerConfig
 
 
-def load_model(snapshot_url: str, device: str) -> tuple[GPT, CharTokenizer, int]:
-    """The model and tokenizer of the newest usable snapshot under snapshot_url, and its step."""
-    state = SnapshotStore(snapshot_url).load_latest(map_location=device)
+def load_model(snapshot: str, device: str) -> tuple[GPT, CharTokenizer, int]:
+    """The model and tokenizer of the newest usable snapshot under a directory/URL (any kind:
+    single-file or sharded, from any world size), or of one .pt file; and its step."""
+    models: list[GPT] = []
+
+    def template(meta: dict) -> dict | None:
+        models.append(GPT(build_section(GPTConfig, meta["config"]["gpt_config"])))
+        # A sharded snapshot is loaded straight into this model's tensors (no optimizer needed).
+        return None if "model" in meta else {"model": get_model_state_dict(models[-1])}
+
+    if snapshot.endswith(".pt"):  # a single file, e.g. from `python snapshot.py consolidate`
+        with fsspec.open(snapshot, "rb") as f:
+            state = torch.load(f, map_location="cpu", weights_only=True)
+        template(state)
+    else:
+        state = SnapshotStore(snapshot).load_latest(map_location="cpu", template=template)
     if state is None:
-        raise SnapshotError(f"no snapshot under {snapshot_url!r}; train first or pass --snapshot <dir or URL>")
-    gpt_cfg = build_section(GPTConfig, state["config"]["gpt_config"])
-    model = GPT(gpt_cfg)
-    model.load_state_dict(state["model"])
-    return model.to(device).eval(), CharTokenizer(state["vocab"]), state["step"]
+        raise SnapshotError(f"no snapshot under {snapshot!r}; train first or pass --snapshot <dir, URL or .pt>")
+    set_model_state_dict(models[-1], state["model"])
+    return models[-1].to(device).eval(), CharTokenizer(state["vocab"]), state["step"]
 
 
 def main(argv: list[str] | None = None) -> int:

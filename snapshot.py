@@ -29,11 +29,13 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import re
+import tempfile
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -41,11 +43,39 @@ from distributed import print0, warn0
 from storage import open_storage
 
 MANIFEST = "latest.json"
-_SNAPSHOT_RE = re.compile(r"^snapshot_(\d+)\.pt$")
+_SNAPSHOT_RE = re.compile(r"^snapshot_(\d+)\.(pt|dcp)$")  # .pt: one file; .dcp: a directory of shards
+META = "meta.pt"  # in a sharded snapshot: everything but the model and optimizer tensors
 
 
 class SnapshotError(RuntimeError):
     """Snapshot storage is unusable or a snapshot cannot be used; the message names the fix."""
+
+
+class SnapshotMismatch(SnapshotError):
+    """The snapshot is intact but belongs to another model or corpus: an error, not a fallback."""
+
+
+def _serialize(obj: Any) -> memoryview:
+    buf = io.BytesIO()
+    # A sha256 covers every stored file, so torch.save's own CRC32 of every record
+    # is redundant work (about a third of the save, and of the load).
+    crc = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save(obj, buf)
+    finally:
+        torch.serialization.set_crc32_options(crc)
+    return buf.getbuffer()  # a view: no second copy of a possibly large buffer
+
+
+def _fingerprint(data: bytes | memoryview) -> dict:
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _load_bytes(data: bytes, map_location) -> Any:
+    # weights_only=True: only tensors and plain containers are unpickled, so a
+    # snapshot file cannot run code on load.
+    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
 
 
 def _hint(error: Exception) -> str:
@@ -115,25 +145,57 @@ class SnapshotStore:
                                 f"({type(e).__name__}: {e}); {_hint(e)}") from e
 
     def _commit(self, state: dict, step: int) -> dict:
-        buf = io.BytesIO()
-        # The sha256 below covers the whole file, so torch.save's own CRC32 of every
-        # record is redundant work (about a third of the save, and of the load).
-        crc = torch.serialization.get_crc32_options()
-        torch.serialization.set_crc32_options(False)
-        try:
-            torch.save(state, buf)
-        finally:
-            torch.serialization.set_crc32_options(crc)
-        data = buf.getbuffer()  # a view: no second copy of a possibly large buffer
-        entry = {"file": f"snapshot_{step:08d}.pt", "step": step, "bytes": len(data),
-                 "sha256": hashlib.sha256(data).hexdigest()}
+        data = _serialize(state)
+        entry = {"file": f"snapshot_{step:08d}.pt", "step": step, **_fingerprint(data)}
         self.storage.write(entry["file"], data)  # 1. the snapshot, complete
-        entries = [e for e in self._manifest() if e["step"] != step] + [entry]
+        self._publish(entry)
+        return entry
+
+    def _publish(self, entry: dict) -> None:
+        """Commit a written snapshot: the manifest names it, then old ones are deleted."""
+        entries = [e for e in self._manifest() if e["step"] != entry["step"]] + [entry]
         kept, dropped = entries[-self.keep_last:], entries[:-self.keep_last]
         self.storage.write(MANIFEST, json.dumps({"snapshots": kept}, indent=1).encode())  # 2. commit
         for old in dropped:  # 3. only now is it safe to forget old snapshots
+            for name in old.get("files", {}):
+                self.storage.delete(f"{old['file']}/{name}")
             self.storage.delete(old["file"])
-        return entry
+
+    def save_sharded(self, app_state: dict, meta: dict | None, step: int, is_main: bool) -> dict | None:
+        """Collective: every rank writes its own shards with torch.distributed.checkpoint (DCP).
+
+        app_state holds DTensors (each rank's shard of model and optimizer). DCP
+        writes them to a rank-local staging directory; each rank then stores its
+        files under snapshot_<step>.dcp/ itself, in parallel. Rank 0 adds meta.pt
+        (step, RNG states, config...) and commits the manifest listing every file
+        with its size and sha256: until then the snapshot does not exist.
+        """
+        import torch.distributed.checkpoint as dcp
+
+        from distributed import all_gather_objects
+
+        name = f"snapshot_{step:08d}.dcp"
+        try:
+            with tempfile.TemporaryDirectory(prefix="dcp-stage-") as stage:
+                dcp.save(app_state, storage_writer=dcp.FileSystemWriter(stage))
+                mine = {}
+                for file in sorted(os.listdir(stage)):
+                    data = open(os.path.join(stage, file), "rb").read()
+                    self.storage.write(f"{name}/{file}", data)
+                    mine[file] = _fingerprint(data)
+            files = {k: v for part in all_gather_objects(mine) for k, v in part.items()}
+            if not is_main:
+                return None
+            meta_bytes = _serialize(meta)
+            self.storage.write(f"{name}/{META}", meta_bytes)
+            files[META] = _fingerprint(meta_bytes)
+            entry = {"file": name, "step": step, "kind": "sharded", "files": files,
+                     "bytes": sum(f["bytes"] for f in files.values())}
+            self._publish(entry)
+            return entry
+        except Exception as e:  # noqa: BLE001 - reported with a hint, whatever it is
+            raise SnapshotError(f"sharded snapshot save of step {step} to {self.url!r} failed "
+                                f"({type(e).__name__}: {e}); {_hint(e)}") from e
 
     def save_async(self, state: dict, step: int) -> None:
         """Copy state to CPU memory now, write it in a background thread while training goes on.
@@ -176,29 +238,101 @@ class SnapshotStore:
         """Snapshots to try, newest first: the manifest's, or (without one) whatever files exist."""
         entries = self._manifest()
         if not entries:
-            names = [n for n in self.storage.list() if _SNAPSHOT_RE.match(n)]
+            names = [n for n in self.storage.list() if _SNAPSHOT_RE.match(n) and n.endswith(".pt")]
             entries = [{"file": n, "step": int(_SNAPSHOT_RE.match(n).group(1))} for n in names]
         return sorted(entries, key=lambda e: e["step"], reverse=True)
 
-    def load_latest(self, map_location: str | torch.device = "cpu") -> dict | None:
-        """The newest snapshot that passes its integrity check, or None for a fresh start."""
+    def _read_checked(self, name: str, expected: dict | None) -> bytes:
+        data = self.storage.read(name)
+        if expected and len(data) != expected["bytes"]:
+            raise SnapshotError(f"{name}: size {len(data)} bytes, manifest says {expected['bytes']}")
+        if expected and hashlib.sha256(data).hexdigest() != expected["sha256"]:
+            raise SnapshotError(f"{name}: checksum mismatch")
+        return data
+
+    def _load_sharded(self, entry: dict, map_location, template: Callable[[dict], dict | None]) -> dict:
+        """Read meta.pt, ask `template` for the tensors to fill, then let DCP fill them from the shards.
+
+        DCP reshards on load: the template may be laid out for any world size, FSDP
+        or not, so a snapshot saved by 4 ranks loads into 2, into 1, or into DDP.
+        """
+        import torch.distributed.checkpoint as dcp
+
+        meta = _load_bytes(self._read_checked(f"{entry['file']}/{META}", entry["files"][META]), map_location)
+        app_state = template(meta) or {}
+        with tempfile.TemporaryDirectory(prefix="dcp-load-") as stage:
+            for file, expected in entry["files"].items():
+                if file != META:
+                    with open(os.path.join(stage, file), "wb") as f:
+                        f.write(self._read_checked(f"{entry['file']}/{file}", expected))
+            if app_state:
+                dcp.load(app_state, storage_reader=dcp.FileSystemReader(stage))
+        return {**meta, **app_state}
+
+    def consolidate(self, out_path: str) -> dict:
+        """Write the newest snapshot, sharded or not, as one single-file snapshot at out_path."""
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        entry = self._candidates()[0] if self._candidates() else None
+        if entry is None:
+            raise SnapshotError(f"no snapshot under {self.url!r}")
+        if entry.get("kind") != "sharded":
+            state = self.load_latest()
+        else:
+            with tempfile.TemporaryDirectory(prefix="dcp-consolidate-") as stage:
+                for file, expected in entry["files"].items():
+                    with open(os.path.join(stage, file), "wb") as f:
+                        f.write(self._read_checked(f"{entry['file']}/{file}", expected))
+                dcp_to_torch_save(stage, os.path.join(stage, "full.pt"))
+                tensors = torch.load(os.path.join(stage, "full.pt"), weights_only=True)
+                state = {**torch.load(os.path.join(stage, META), weights_only=True), **tensors}
+        with open(out_path, "wb") as f:
+            f.write(_serialize(state))
+        return state
+
+    def load_latest(self, map_location: str | torch.device = "cpu",
+                    template: Callable[[dict], dict | None] | None = None) -> dict | None:
+        """The newest snapshot that passes its integrity check, or None for a fresh start.
+
+        template(meta) is shown the snapshot's metadata (config, vocabulary, step...)
+        before any tensor is used: it may raise SnapshotMismatch to refuse it, and
+        for a sharded snapshot it returns the state dicts to load the shards into.
+        """
+        template = template or (lambda meta: None)
         candidates = self._candidates()
         for entry in candidates:
             where = f"{self.url}/{entry['file']}"
             try:
-                data = self.storage.read(entry["file"])
-                if "bytes" in entry and len(data) != entry["bytes"]:
-                    raise SnapshotError(f"size {len(data)} bytes, manifest says {entry['bytes']}")
-                if "sha256" in entry and hashlib.sha256(data).hexdigest() != entry["sha256"]:
-                    raise SnapshotError("checksum mismatch")
-                # weights_only=True: only tensors and plain containers are unpickled,
-                # so a snapshot file cannot run code on load.
-                state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+                if entry.get("kind") == "sharded":
+                    return self._load_sharded(entry, map_location, template)
+                state = _load_bytes(self._read_checked(entry["file"], entry if "sha256" in entry else None),
+                                    map_location)
                 if not isinstance(state, dict) or "step" not in state:
                     raise SnapshotError("not a snapshot of this project")
+                template(state)
                 return state
+            except SnapshotMismatch:
+                raise
             except Exception as e:  # noqa: BLE001 - fall back to the previous snapshot
                 warn0(f"snapshot {where} is unusable ({type(e).__name__}: {e}); trying the previous one")
         if candidates:
             warn0(f"no usable snapshot under {self.url}; starting fresh")
         return None
+
+
+if __name__ == "__main__":
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(description="Snapshot tools.")
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("consolidate", help="turn the newest (sharded) snapshot into one .pt file")
+    c.add_argument("snapshot", help="snapshot directory or URL (trainer_config.snapshot_path)")
+    c.add_argument("out", help="the single file to write")
+    args = p.parse_args()
+    try:
+        state = SnapshotStore(args.snapshot).consolidate(args.out)
+    except SnapshotError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    print(f"wrote {args.out}: step {state['step']}, {len(state['model'])} model tensors")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import uuid
 from urllib.parse import urlparse
 
@@ -23,22 +24,25 @@ class LocalStorage:
         self.root = os.path.abspath(os.path.expanduser(root))
 
     def write(self, name: str, data: bytes) -> None:
-        os.makedirs(self.root, exist_ok=True)
+        final = os.path.join(self.root, name)
+        directory = os.path.dirname(final)  # names may have one level of folder (sharded snapshots)
+        os.makedirs(directory, exist_ok=True)
+        name = os.path.basename(final)
         # Write beside the target (same filesystem, so the rename is atomic), flush
         # it to disk, then rename over the target: readers see the old file or the
         # complete new one, never a partial one.
-        tmp = os.path.join(self.root, f".{name}.{uuid.uuid4().hex}.tmp")
+        tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
         try:
             with open(tmp, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, os.path.join(self.root, name))
+            os.replace(tmp, final)
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
         # fsync the directory too, so the rename itself survives a power cut.
-        dir_fd = os.open(self.root, os.O_RDONLY)
+        dir_fd = os.open(directory, os.O_RDONLY)
         try:
             os.fsync(dir_fd)
         finally:
@@ -49,10 +53,11 @@ class LocalStorage:
             return f.read()
 
     def delete(self, name: str) -> None:
-        try:
-            os.remove(os.path.join(self.root, name))
-        except FileNotFoundError:
-            pass
+        path = os.path.join(self.root, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)  # a sharded snapshot's folder
+        elif os.path.exists(path):
+            os.remove(path)
 
     def list(self) -> list[str]:
         return os.listdir(self.root) if os.path.isdir(self.root) else []
@@ -120,7 +125,7 @@ class FsspecStorage:
         return f"{self.root.rstrip('/')}/{name}"
 
     def write(self, name: str, data: bytes) -> None:
-        self.fs.makedirs(self.root, exist_ok=True)
+        self.fs.makedirs(self._path(name).rsplit("/", 1)[0], exist_ok=True)
         self.fs.pipe_file(self._path(name), data)
 
     def read(self, name: str) -> bytes:

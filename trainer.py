@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from char_dataset import CharDataset
@@ -33,7 +35,8 @@ from distributed import DistContext, all_gather_objects, all_reduce_mean, any_ra
 from metrics import MetricsLog, ProgressLine, format_duration
 from model import GPT, GPTConfig
 from sampler import ResumableDistributedSampler
-from snapshot import SnapshotError, SnapshotStore
+from parallel import autocast, check_supported, grad_scaler, wrap_model
+from snapshot import SnapshotMismatch, SnapshotStore
 
 
 @dataclass
@@ -97,6 +100,16 @@ class TrainerConfig:
     seed: int = 1337
     sample_chars: int = 200
     """Characters generated at each evaluation (0: none)."""
+    parallel: str = "ddp"
+    """How the model is spread over ranks: ddp (full replicas), fsdp (FSDP2 shards), none (one process)."""
+    fsdp_reshard_after_forward: bool = True
+    """FSDP: free gathered parameters after forward (less memory; gathers again in backward)."""
+    fsdp_cpu_offload: bool = False
+    """FSDP: keep parameter shards, gradients and optimizer state in CPU memory (for GPU jobs)."""
+    use_amp: bool = False
+    """Automatic mixed precision: matmuls in amp_dtype, fp32 master weights."""
+    amp_dtype: str = "bf16"
+    """bf16 (CPU and GPU) or fp16 (GPU only, with a GradScaler)."""
     async_save: bool = False
     """Copy the state to CPU memory and write the snapshot in a background thread while training goes on."""
     s3_endpoint_url: str = ""
@@ -111,6 +124,10 @@ class TrainerConfig:
                      "log_every", "save_every", "keep_last"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"trainer_config.{name} must be positive, got {getattr(self, name)}")
+        if self.parallel not in ("ddp", "fsdp", "none"):
+            raise ConfigError(f"trainer_config.parallel must be ddp, fsdp or none, got {self.parallel!r}")
+        if self.amp_dtype not in ("bf16", "fp16"):
+            raise ConfigError(f"trainer_config.amp_dtype must be bf16 or fp16, got {self.amp_dtype!r}")
         if self.sample_chars < 0 or self.collective_timeout_s <= 0:
             raise ConfigError("trainer_config: sample_chars must be >= 0 and collective_timeout_s > 0")
 
@@ -121,13 +138,17 @@ class Trainer:
         self.cfg, self.optim_cfg, self.ctx, self.run_config, self.store = trainer_cfg, optim_cfg, ctx, run_config, store
         self.dataset = dataset
         self.device = ctx.device
-        self.raw_model = model.to(self.device)
-        self.optimizer = model.configure_optimizer(
+        c = trainer_cfg
+        check_supported(c.parallel, c.use_amp, c.amp_dtype, ctx)
+        self.sharded = c.parallel == "fsdp"
+        self.raw_model = model.to(self.device)  # the plain module (under FSDP: sharded in place)
+        self.model = wrap_model(self.raw_model, c.parallel, ctx, c.use_amp, c.amp_dtype,
+                                c.fsdp_reshard_after_forward, c.fsdp_cpu_offload)  # what training calls
+        # Built after wrapping: under FSDP the optimizer must hold the sharded parameters.
+        self.optimizer = self.raw_model.configure_optimizer(
             optim_cfg.learning_rate, optim_cfg.weight_decay, (optim_cfg.beta1, optim_cfg.beta2), self.device.type)
-        # DDP registers autograd hooks that all-reduce gradients bucket by bucket
-        # while backward is still running, overlapping communication with compute.
-        self.model = DDP(model, device_ids=[ctx.local_rank] if self.device.type == "cuda" else None) \
-            if ctx.distributed else model
+        self.scaler = grad_scaler(c.use_amp, c.amp_dtype, self.device)
+        self.grad_norm = torch.zeros(())
         self.sampler = ResumableDistributedSampler(dataset.train, ctx.world_size, ctx.rank, trainer_cfg.seed)
         self.step, self.epoch, self.samples_consumed = 0, 0, 0
         self.accum_steps = trainer_cfg.grad_accum_steps  # may change on resume at another world size
@@ -143,39 +164,60 @@ class Trainer:
             self._trace = open(os.path.join(trainer_cfg.trace_samples_path, f"rank{ctx.rank}.jsonl"), "a")
 
     # ----------------------------------------------------------------- snapshots
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue exactly; collective (gathers every rank's RNG state)."""
+    def tensor_state(self) -> dict[str, Any]:
+        """Model and optimizer state keyed by parameter name (the same names with DDP, FSDP or
+        neither, so any kind of run can load any kind of snapshot); DTensor shards under FSDP."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optimizer": optim_sd}
+
+    def meta_state(self) -> dict[str, Any]:
+        """Everything else needed to continue exactly; collective (gathers every rank's RNG state)."""
         rng = all_gather_objects({
             "cpu": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
         })
         return {
-            "format_version": 1,
+            "format_version": 2,
             "step": self.step, "epoch": self.epoch, "samples_consumed": self.samples_consumed,
             "world_size": self.ctx.world_size,
             "global_batch": self.cfg.batch_size * self.ctx.world_size * self.accum_steps,
-            "model": self.raw_model.state_dict(),  # the unwrapped module: no "module." prefixes
-            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),  # fp16 loss scale and its growth tracker
             "rng": rng,
             "config": self.run_config,
             "vocab": self.dataset.tokenizer.chars,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved_gpt = state["config"]["gpt_config"]
+    def state_dict(self) -> dict[str, Any]:
+        """The whole snapshot as one dict (what a single-file snapshot holds)."""
+        return {**self.meta_state(), **self.tensor_state()}
+
+    def check_compatible(self, meta: dict[str, Any]) -> None:
+        """Refuse a snapshot of another model shape or vocabulary, naming what differs."""
+        saved_gpt = meta["config"]["gpt_config"]
         current = self.raw_model.config
         mismatched = [f"{f} (snapshot {saved_gpt.get(f)!r}, config {getattr(current, f)!r})"
                       for f in GPTConfig.SHAPE_FIELDS if saved_gpt.get(f) != getattr(current, f)]
         if mismatched:
-            raise SnapshotError(
+            raise SnapshotMismatch(
                 f"snapshot under {self.store.url!r} is for another model shape: {'; '.join(mismatched)}; "
                 "use matching gpt_config/data_config settings or another trainer_config.snapshot_path")
-        if state["vocab"] != self.dataset.tokenizer.chars:
-            raise SnapshotError(
+        if meta["vocab"] != self.dataset.tokenizer.chars:
+            raise SnapshotMismatch(
                 f"snapshot under {self.store.url!r} was trained on a different vocabulary; "
                 "use the same data_config.path or another trainer_config.snapshot_path")
-        self.raw_model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+
+    def _load_template(self, meta: dict[str, Any]) -> dict[str, Any] | None:
+        """Checks a snapshot's metadata; for a sharded one, returns our own state dicts to load into."""
+        self.check_compatible(meta)
+        return None if "model" in meta else self.tensor_state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # A single-file snapshot holds full tensors; a sharded one was loaded into our own layout.
+        full = self.sharded and not isinstance(next(iter(state["model"].values())), DTensor)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=full))
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
         self.step, self.epoch, self.samples_consumed = state["step"], state["epoch"], state["samples_consumed"]
         self._local_key = None
         if state["world_size"] == self.ctx.world_size:
@@ -204,6 +246,12 @@ class Trainer:
     def save_snapshot(self, block: bool = False) -> float:
         """Save the current state; returns the seconds training was stalled by it."""
         t0 = time.perf_counter()
+        if self.sharded:  # every rank writes its own shards, in parallel
+            entry = self.store.save_sharded(self.tensor_state(), self.meta_state(), self.step, self.ctx.is_main)
+            if entry:
+                print0(f"snapshot | step {self.step} | {entry['bytes'] / 1e6:.1f} MB in {len(entry['files'])} files "
+                       f"(sharded) | {time.perf_counter() - t0:.2f} s | {self.store.url}/{entry['file']}")
+            return time.perf_counter() - t0
         state = self.state_dict()  # every rank takes part in gathering the RNG states...
         if self.ctx.is_main:  # ...but only global rank 0 writes: one snapshot per job, not per node
             if self.cfg.async_save and not block:
@@ -218,7 +266,9 @@ class Trainer:
         return time.perf_counter() - t0
 
     def resume(self) -> None:
-        state = self.store.load_latest(map_location=self.device)
+        # Full tensors go to CPU first when FSDP will shard them; otherwise straight to the device.
+        state = self.store.load_latest(map_location="cpu" if self.sharded else self.device,
+                                       template=self._load_template)
         if state is None:
             print0(f"resume | no snapshot under {self.store.url} | starting fresh at step 0")
             return
@@ -254,11 +304,12 @@ class Trainer:
         """Mean validation loss over a fixed, evenly spaced set of windows, averaged over all ranks."""
         B, W, n_iters = self.cfg.batch_size, self.ctx.world_size, self.cfg.eval_iters
         starts = torch.linspace(0, len(self.dataset.val) - 1, n_iters * B * W).long()[self.ctx.rank :: W]
-        self.raw_model.eval()  # no dropout; the replicas are identical, so no DDP needed here
+        self.raw_model.eval()  # no dropout; no gradients, so DDP's hooks are not needed (FSDP's gather still runs)
         total = torch.zeros((), device=self.device)
         for i in range(n_iters):
             x, y = self.dataset.val.batch(starts[i * B : (i + 1) * B])
-            total += self.raw_model(x.to(self.device), y.to(self.device))[1]
+            with self._autocast():
+                total += self.raw_model(x.to(self.device), y.to(self.device))[1]
         self.raw_model.train()
         return all_reduce_mean(total / n_iters).item()
 
@@ -269,6 +320,18 @@ class Trainer:
         out = self.raw_model.generate(prompt, self.cfg.sample_chars, temperature=0.8, generator=gen)
         return tok.decode(out[0, 1:])
 
+    def _autocast(self):
+        return autocast(self.cfg.parallel, self.cfg.use_amp, self.cfg.amp_dtype, self.device)
+
+    def _gradient_sync(self, sync: bool):
+        """Gradient accumulation: communicate gradients only on the last micro-step; before it they
+        just accumulate locally (DDP's no_sync, FSDP's set_requires_gradient_sync)."""
+        if self.sharded:
+            self.model.set_requires_gradient_sync(sync)
+        if sync or not isinstance(self.model, DDP):
+            return nullcontext()
+        return self.model.no_sync()
+
     def train_step(self) -> torch.Tensor:
         """One optimizer step over grad_accum_steps micro-batches; returns the mean loss (on device)."""
         lr = self.optim_cfg.lr_at(self.step, self.cfg.max_steps)
@@ -278,19 +341,23 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(n_micro):
             x, y = self._next_batch()
-            # Gradients are all-reduced only on the last micro-step; no_sync skips
-            # the communication for the others (they just accumulate locally).
-            sync = micro == n_micro - 1 or not isinstance(self.model, DDP)
-            with nullcontext() if sync else self.model.no_sync():
+            with self._gradient_sync(micro == n_micro - 1), self._autocast():
                 _, loss = self.model(x, y)
-                (loss / n_micro).backward()
+            self.scaler.scale(loss / n_micro).backward()  # scale: a no-op unless fp16
             loss_sum += loss.detach()
-        if self.optim_cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), self.optim_cfg.grad_clip)
-        self.optimizer.step()
+        # Unscale before clipping, so the clip threshold applies to the true gradients.
+        self.scaler.unscale_(self.optimizer)
+        # The norm over all parameters (all shards, under FSDP); inf = measure without clipping.
+        self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip or math.inf)
+        self.scaler.step(self.optimizer)  # skips the step if fp16 gradients overflowed
+        self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)  # free gradient memory instead of writing zeros
         self.step += 1
         return loss_sum / n_micro
+
+    def _grad_norm_value(self) -> float:
+        norm = self.grad_norm
+        return float((norm.full_tensor() if isinstance(norm, DTensor) else norm).item())
 
     def _request_stop(self, signum: int, frame) -> None:
         if self.stop_signal is not None:  # a second signal: stop right now
@@ -344,7 +411,7 @@ class Trainer:
                 eta = (now - t_start) / (step - start_step) * (cfg.max_steps - step)
                 record = {"step": step, "epoch": self.epoch, "train_loss": round(train_loss, 6),
                           "lr": self.optimizer.param_groups[0]["lr"], "tokens_per_sec": round(tokens_per_step / dt_step, 1),
-                          "ms_per_step": round(1e3 * dt_step, 2)}
+                          "ms_per_step": round(1e3 * dt_step, 2), "grad_norm": round(self._grad_norm_value(), 4)}
                 progress.clear()
                 print0(f"step {step:>6}/{cfg.max_steps} | epoch {self.epoch} | loss {train_loss:.4f} | "
                        f"lr {record['lr']:.2e} | {record['tokens_per_sec'] / 1e3:.1f}k tok/s | "
@@ -352,7 +419,9 @@ class Trainer:
                 if is_eval:
                     record["val_loss"] = round(self.evaluate(), 6)
                     line = f"eval | step {step} | val loss {record['val_loss']:.4f}"
-                    if cfg.sample_chars and self.ctx.is_main:
+                    # Under FSDP every rank must take part in each forward (they all-gather
+                    # parameters), so all ranks generate the same sample; rank 0 prints it.
+                    if cfg.sample_chars and (self.ctx.is_main or self.sharded):
                         record["sample"] = self._sample()
                         line += f" | sample: {record['sample']!r}"
                     print0(line)

@@ -1,0 +1,91 @@
+"""How the model is spread over the ranks (DDP or FSDP) and in which precision it computes (AMP).
+
+- DDP (DistributedDataParallel): every rank holds the whole model, gradients are
+  all-reduced during backward. Memory per rank: all parameters, gradients and
+  optimizer state.
+- FSDP (FSDP2, `fully_shard`): every rank holds 1/N of each parameter, gradient
+  and optimizer state. Before a block runs forward or backward its parameters are
+  all-gathered, and afterwards freed again; gradients are reduce-scattered, so
+  each rank keeps only its shard. Memory per rank falls roughly as 1/N, for more
+  communication.
+- AMP (automatic mixed precision): matmuls run in bf16 or fp16 while the weights
+  (the "master" copy the optimizer updates) stay fp32. fp16 has a narrow range, so
+  its gradients are scaled up before backward and unscaled before clipping and
+  the optimizer step (GradScaler); bf16 has fp32's range and needs no scaler.
+
+Wrapping lives here, not in model.py: the model stays a plain nn.Module.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from config import ConfigError
+from distributed import DistContext
+
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_supported(parallel: str, use_amp: bool, amp_dtype: str, ctx: DistContext) -> None:
+    """Refuse combinations that cannot work here, with the setting to change."""
+    if parallel == "none" and ctx.world_size > 1:
+        raise ConfigError("trainer_config.parallel=none with several ranks would train diverging copies; "
+                          "use ddp or fsdp")
+    if parallel == "fsdp" and not ctx.distributed:
+        raise ConfigError("trainer_config.parallel=fsdp needs a process group: launch with torchrun "
+                          "(--nproc_per_node=1 for one process) or use parallel=ddp")
+    if use_amp and amp_dtype == "fp16" and ctx.device.type != "cuda":
+        raise ConfigError("trainer_config.amp_dtype=fp16 needs a CUDA device; on CPU use amp_dtype=bf16")
+    if use_amp and amp_dtype == "fp16" and parallel == "fsdp":
+        raise ConfigError("trainer_config.amp_dtype=fp16 with parallel=fsdp is not supported; use amp_dtype=bf16")
+
+
+def wrap_model(model: nn.Module, parallel: str, ctx: DistContext, use_amp: bool = False, amp_dtype: str = "bf16",
+               reshard_after_forward: bool = True, cpu_offload: bool = False) -> nn.Module:
+    """Return the module to call for training: DDP(model), the FSDP-sharded model, or model itself."""
+    if parallel == "fsdp":
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        # bf16 compute copies of the parameters, fp32 gradient reduction (summing
+        # many small bf16 numbers loses precision), fp32 sharded master weights.
+        mp = MixedPrecisionPolicy(param_dtype=AMP_DTYPES[amp_dtype], reduce_dtype=torch.float32) if use_amp \
+            else MixedPrecisionPolicy()
+        offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+        # Shard block by block, then the root (embeddings, final norm, head): each
+        # block's parameters are gathered just before it runs and freed after.
+        for block in model.blocks:
+            fully_shard(block, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard_after_forward)
+        return model
+    if parallel == "ddp" and ctx.distributed:
+        # DDP registers autograd hooks that all-reduce gradients bucket by bucket
+        # while backward is still running, overlapping communication with compute.
+        return DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
+    return model
+
+
+def autocast(parallel: str, use_amp: bool, amp_dtype: str, device: torch.device) -> AbstractContextManager:
+    """The forward pass's precision context. FSDP casts parameters itself (MixedPrecisionPolicy)."""
+    if not use_amp or parallel == "fsdp":
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=AMP_DTYPES[amp_dtype])
+
+
+def grad_scaler(use_amp: bool, amp_dtype: str, device: torch.device) -> torch.amp.GradScaler:
+    """A GradScaler that is active only for fp16 (bf16 does not underflow like fp16 does)."""
+    return torch.amp.GradScaler(device.type, enabled=use_amp and amp_dtype == "fp16")
+
+
+def local_bytes(tensors) -> int:
+    """Bytes this rank holds for a set of tensors (only the local shard of a DTensor)."""
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        t = t.to_local() if hasattr(t, "to_local") else t
+        total += t.numel() * t.element_size()
+    return total

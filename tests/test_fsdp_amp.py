@@ -1,0 +1,135 @@
+"""FSDP2 sharding and mixed precision, chosen in the YAML; sharded snapshots that reshard on resume."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import REPO, kill_tree, run_main, tiny_overrides, torchrun_cmd
+from metrics import MetricsLog
+from snapshot import MANIFEST, SnapshotStore
+
+FSDP = "trainer_config.parallel=fsdp"
+
+
+def losses(run_dir):
+    return MetricsLog.read(str(run_dir / "metrics.jsonl"))
+
+
+def ok(result):
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
+    return result.stdout
+
+
+def test_fp16_on_cpu_is_a_config_error(shakespeare, tmp_path):
+    result = run_main(tiny_overrides(shakespeare, tmp_path) + ["trainer_config.use_amp=true",
+                                                               "trainer_config.amp_dtype=fp16"])
+    assert result.returncode == 1 and "amp_dtype=fp16 needs a CUDA device" in result.stderr
+
+
+def test_fsdp_without_a_process_group_is_a_config_error(shakespeare, tmp_path):
+    result = run_main(tiny_overrides(shakespeare, tmp_path) + [FSDP])
+    assert result.returncode == 1 and "parallel=fsdp needs a process group" in result.stderr
+
+
+def test_an_unknown_parallel_mode_is_a_config_error(shakespeare, tmp_path):
+    result = run_main(tiny_overrides(shakespeare, tmp_path) + ["trainer_config.parallel=zero3"])
+    assert result.returncode == 2 and "parallel must be ddp, fsdp or none" in result.stderr
+
+
+@pytest.mark.slow
+def test_fsdp_and_ddp_give_the_same_losses_and_gradient_norms_for_20_steps(shakespeare, tmp_path):
+    settings = dict(max_steps=20, log_every=1, save_every=20)
+    ok(run_main(tiny_overrides(shakespeare, tmp_path / "ddp", **settings), nproc=2))
+    ok(run_main(tiny_overrides(shakespeare, tmp_path / "fsdp", **settings) + [FSDP], nproc=2))
+    ddp, fsdp = losses(tmp_path / "ddp"), losses(tmp_path / "fsdp")
+    assert len(ddp) == len(fsdp) == 20
+    for a, b in zip(ddp, fsdp):
+        assert abs(a["train_loss"] - b["train_loss"]) < 1e-4, (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-3 * max(1.0, a["grad_norm"]), (a, b)
+
+
+@pytest.mark.slow
+def test_fsdp_snapshot_from_4_ranks_resumes_at_2_then_1_and_sample_py_reads_it(shakespeare, tmp_path):
+    out = ok(run_main(tiny_overrides(shakespeare, tmp_path, max_steps=10, save_every=10, log_every=1) + [FSDP], nproc=4))
+    assert "in 6 files (sharded)" in out  # 4 shards + DCP metadata + meta.pt
+    out = ok(run_main(tiny_overrides(shakespeare, tmp_path, max_steps=20, save_every=10, log_every=1) + [FSDP], nproc=2))
+    assert "resume | step 10 | epoch 0 | 160 samples into the epoch | saved at world size 4, now 2" in out
+    out = ok(run_main(tiny_overrides(shakespeare, tmp_path, max_steps=30, save_every=10, log_every=1) + [FSDP], nproc=1))
+    assert "saved at world size 2, now 1" in out
+    records = losses(tmp_path)
+    assert [r["step"] for r in records] == list(range(1, 31))
+    assert sum(r["train_loss"] for r in records[-5:]) < sum(r["train_loss"] for r in records[:5])  # still learning
+    sample = subprocess.run([sys.executable, str(REPO / "sample.py"), "--snapshot", str(tmp_path / "snapshots"),
+                             "--prompt", "KING", "--chars", "20"], capture_output=True, text=True, timeout=60)
+    assert sample.returncode == 0, sample.stderr
+    assert sample.stdout.startswith("KING") and "step 30 snapshot" in sample.stderr
+
+
+@pytest.mark.slow
+def test_ddp_and_fsdp_snapshots_load_into_each_other_and_consolidate_to_one_file(shakespeare, tmp_path):
+    ok(run_main(tiny_overrides(shakespeare, tmp_path, max_steps=10, save_every=10), nproc=2))  # DDP: one file
+    out = ok(run_main(tiny_overrides(shakespeare, tmp_path, max_steps=20, save_every=10) + [FSDP], nproc=2))
+    assert "resume | step 10" in out and "(sharded)" in out
+    out = ok(run_main(tiny_overrides(shakespeare, tmp_path, max_steps=30, save_every=10)))  # one process, from shards
+    assert "resume | step 20" in out
+    out = ok(run_main(tiny_overrides(shakespeare, tmp_path, max_steps=40, save_every=10) + [FSDP], nproc=2))
+    assert "resume | step 30" in out
+    single = tmp_path / "consolidated.pt"
+    conv = subprocess.run([sys.executable, str(REPO / "snapshot.py"), "consolidate", str(tmp_path / "snapshots"),
+                           str(single)], capture_output=True, text=True, timeout=60)
+    assert conv.returncode == 0, conv.stderr
+    state = torch.load(single, weights_only=True)
+    assert state["step"] == 40 and state["model"]["wte.weight"].shape == (65, 32)
+    assert set(state["optimizer"]["state"]) >= {"wte.weight", "blocks.0.attn.qkv.weight"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel, nproc", [("ddp", 0), ("fsdp", 2)])
+def test_bf16_mixed_precision_trains_and_the_loss_falls(parallel, nproc, shakespeare, tmp_path):
+    args = tiny_overrides(shakespeare, tmp_path, max_steps=60, log_every=10, eval_every=60) + \
+        ["trainer_config.use_amp=true", "trainer_config.amp_dtype=bf16", f"trainer_config.parallel={parallel}",
+         "optimizer_config.learning_rate=3e-3", "optimizer_config.warmup_steps=5"]
+    ok(run_main(args, nproc=nproc))
+    records = losses(tmp_path)
+    assert records[-1]["train_loss"] < records[0]["train_loss"] - 0.5
+    assert records[-1]["val_loss"] < 3.5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 autocast and GradScaler need a CUDA device")
+def test_fp16_grad_scaler_state_round_trips_through_a_snapshot(shakespeare, tmp_path):
+    args = tiny_overrides(shakespeare, tmp_path, max_steps=10, save_every=10) + \
+        ["trainer_config.use_amp=true", "trainer_config.amp_dtype=fp16"]
+    ok(run_main(args))
+    saved = SnapshotStore(str(tmp_path / "snapshots")).load_latest()["scaler"]
+    assert saved["scale"] > 0 and "_growth_tracker" in saved
+    out = ok(run_main(args[:-3] + ["trainer_config.max_steps=20", "trainer_config.save_every=10"] + args[-2:]))
+    assert "resume | step 10" in out
+
+
+@pytest.mark.slow
+def test_sigkill_during_a_sharded_save_leaves_the_previous_snapshot_usable(shakespeare, tmp_path):
+    args = tiny_overrides(shakespeare, tmp_path, max_steps=60, save_every=5) + \
+        [FSDP, "gpt_config.n_embd=256", "gpt_config.n_layer=4", "gpt_config.n_head=4"]
+    snap_dir = tmp_path / "snapshots"
+    job = subprocess.Popen(torchrun_cmd(2, *args), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    caught, deadline = None, time.monotonic() + 120
+    while caught is None and job.poll() is None and time.monotonic() < deadline:
+        if snap_dir.exists():  # a shard of the step-10-or-later snapshot is being written right now
+            for d in os.listdir(snap_dir):
+                if d.endswith(".dcp") and not d.startswith("snapshot_0000000") and \
+                        any(f.endswith(".tmp") for f in os.listdir(snap_dir / d) if os.path.isdir(snap_dir / d)):
+                    caught = d
+    kill_tree(job)
+    if caught is None:
+        pytest.skip("the job finished before a sharded write could be caught")
+    committed = [e["step"] for e in json.loads((snap_dir / MANIFEST).read_text())["snapshots"]]
+    assert int(caught[9:17]) not in committed  # the snapshot being written was not committed
+    resumed = run_main(args, nproc=2)
+    out = ok(resumed)
+    assert f"resume | step {committed[-1]} |" in out and "done | step 60" in out
