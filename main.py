@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from char_dataset import CharDataset, DataConfig, DatasetError
 from config import ConfigError, build_config, to_dict
 from data.fetch_shakespeare import FetchError, ensure_tinyshakespeare
-from distributed import (DistContext, all_gather_objects, barrier, previous_attempt_report, print0,
+from distributed import (DistContext, all_gather_objects, barrier, exit_process, previous_attempt_report, print0,
                          record_exit, setup_distributed, teardown_distributed)
 from model import GPT, GPTConfig
 from snapshot import SnapshotError, SnapshotStore
@@ -133,14 +133,7 @@ def cli() -> None:
         code = 0
     except SystemExit as e:  # run()'s exit code, or Hydra's after it reported an error
         code = e.code if isinstance(e.code, int) else 1
-    # Leave without running C++ static destructors: after a clean teardown, gloo's
-    # exit-time destructors still abort about one process in 40 here with
-    # "terminate called without an active exception" (no Python frame involved),
-    # which would turn a finished job into a failed one. Everything is saved and
-    # the process group destroyed by now; only the output buffers need flushing.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_process(code)
 
 
 if __name__ == "__main__":
