@@ -101,7 +101,7 @@ def read_text(path: str) -> str:
     except FileNotFoundError:
         raise DatasetError(
             f"data_config.path: no file at {path!r}; set data_config.path=<your UTF-8 text> "
-            "or fetch tiny Shakespeare with: python data/tinyshakespeare.py"
+            "or fetch tiny Shakespeare with: python data/fetch_shakespeare.py"
         ) from None
     except (OSError, ValueError, ImportError) as e:
         raise DatasetError(f"data_config.path: cannot read {path!r}: {e}") from None

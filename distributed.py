@@ -171,15 +171,15 @@ def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def any_rank(flag: bool) -> bool:
-    """True on every rank if it is true on at least one (an all-reduce with MAX)."""
+def max_over_ranks(value: int) -> int:
+    """The largest of every rank's value, on every rank (an all-reduce with MAX)."""
     if not dist.is_initialized():
-        return flag
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
     if dist.get_backend() == "nccl":
         t = t.cuda()
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return int(t.item())
 
 
 def all_gather_objects(obj):

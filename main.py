@@ -92,8 +92,10 @@ def run(raw: dict[str, Any]) -> int:
         torch.manual_seed(tcfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
         model = GPT(gpt_cfg)
         store = SnapshotStore(tcfg.snapshot_path, tcfg.keep_last, tcfg.s3_endpoint_url)
-        # Rank 0 writes the snapshots, so rank 0 probes the destination: now, not at the first save an hour in.
-        on_all_ranks(store.check_writable if ctx.is_main else lambda: None)
+        # Probe the destination now, not at the first save an hour in: rank 0 writes single-file
+        # snapshots; under FSDP every rank writes its own shards, so every rank probes.
+        writes = ctx.is_main or tcfg.parallel == "fsdp"
+        on_all_ranks(store.check_writable if writes else lambda: None)
         run_config = {name: to_dict(section) for name, section in cfg.items()}
         trainer = Trainer(model, dataset, tcfg, cfg["optimizer_config"], ctx, run_config, store)
         on_all_ranks(trainer.resume)
@@ -133,6 +135,8 @@ def cli() -> None:
         code = 0
     except SystemExit as e:  # run()'s exit code, or Hydra's after it reported an error
         code = e.code if isinstance(e.code, int) else 1
+    except KeyboardInterrupt:  # a second Ctrl-C / SIGTERM: stop now, without a snapshot
+        code = 130
     exit_process(code)
 
 

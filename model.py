@@ -2,7 +2,7 @@
 
 This module owns the network and nothing else: no process groups, no DDP/FSDP
 wrapping, no data loading. A model built here runs the same in one process, under
-DDP or under FSDP, because all distributed wrapping happens in trainer.py.
+DDP or under FSDP, because all distributed wrapping happens in parallel.py.
 
 Shape notes use B = batch, T = time (sequence length), C = channels (n_embd),
 nh = number of heads, hs = head size (C // nh), V = vocabulary size.

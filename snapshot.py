@@ -133,7 +133,8 @@ class SnapshotStore:
         except FileNotFoundError:
             return []
         except (ValueError, KeyError, TypeError) as e:
-            warn0(f"snapshot manifest {self.url}/{MANIFEST} is unreadable ({e}); scanning for snapshot files")
+            warn0(f"snapshot manifest {self.url}/{MANIFEST} is unreadable ({e}); "
+                  "looking for single-file snapshots (sharded ones need the manifest)")
             return []
 
     def save(self, state: dict, step: int) -> dict:
@@ -153,8 +154,12 @@ class SnapshotStore:
 
     def _publish(self, entry: dict) -> None:
         """Commit a written snapshot: the manifest names it, then old ones are deleted."""
-        entries = [e for e in self._manifest() if e["step"] != entry["step"]] + [entry]
-        kept, dropped = entries[-self.keep_last:], entries[:-self.keep_last]
+        # Entries at or after this step are from a run that was rolled back past them
+        # (say a newer snapshot was corrupt and we resumed from an older one): replace them.
+        older = sorted((e for e in self._manifest() if e["step"] < entry["step"]), key=lambda e: e["step"])
+        stale = [e for e in self._manifest() if e["step"] > entry["step"]]
+        entries = older + [entry]
+        kept, dropped = entries[-self.keep_last:], entries[:-self.keep_last] + stale
         self.storage.write(MANIFEST, json.dumps({"snapshots": kept}, indent=1).encode())  # 2. commit
         for old in dropped:  # 3. only now is it safe to forget old snapshots
             for name in old.get("files", {}):
@@ -176,14 +181,24 @@ class SnapshotStore:
 
         name = f"snapshot_{step:08d}.dcp"
         try:
+            mine, error = {}, None
             with tempfile.TemporaryDirectory(prefix="dcp-stage-") as stage:
                 dcp.save(app_state, storage_writer=dcp.FileSystemWriter(stage))
-                mine = {}
-                for file in sorted(os.listdir(stage)):
-                    data = open(os.path.join(stage, file), "rb").read()
-                    self.storage.write(f"{name}/{file}", data)
-                    mine[file] = _fingerprint(data)
-            files = {k: v for part in all_gather_objects(mine) for k, v in part.items()}
+                try:
+                    for file in sorted(os.listdir(stage)):
+                        with open(os.path.join(stage, file), "rb") as f:
+                            data = f.read()
+                        self.storage.write(f"{name}/{file}", data)
+                        mine[file] = _fingerprint(data)
+                except Exception as e:  # noqa: BLE001 - shared with every rank below
+                    error = f"{type(e).__name__}: {e}"
+            # Every rank learns what every other wrote, or that one failed: all raise together
+            # instead of the others waiting in the next collective.
+            parts = all_gather_objects((mine, error))
+            errors = [err for _, err in parts if err]
+            if errors:
+                raise SnapshotError(errors[0])
+            files = {k: v for part, _ in parts for k, v in part.items()}
             if not is_main:
                 return None
             meta_bytes = _serialize(meta)

@@ -1,10 +1,11 @@
-"""The training loop: DDP wrapping, data sharding, optimisation, evaluation, logging, snapshots.
+"""The training loop: optimisation, evaluation, logging, and what goes into a snapshot.
 
-One Trainer runs in every process of the job. Each process holds a full copy
-(replica) of the model; DistributedDataParallel (DDP) averages the gradients of
+One Trainer runs in every process of the job. Under DDP each process holds a full
+copy (replica) of the model, and DistributedDataParallel averages the gradients of
 all replicas with an all-reduce during backward, so every replica takes the same
-optimizer step and the copies stay identical. Each rank trains on a different
-shard of every global batch, chosen by a DistributedSampler.
+optimizer step and the copies stay identical; under FSDP each holds a shard
+(parallel.py does the wrapping). Each rank trains on a different shard of every
+global batch, chosen by a DistributedSampler (sampler.py).
 
 Data position is kept as *global samples consumed in this epoch*: step by step,
 the job walks through one seeded permutation of all training windows, W*B at a
@@ -31,12 +32,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from char_dataset import CharDataset
 from config import ConfigError
-from distributed import DistContext, all_gather_objects, all_reduce_mean, any_rank, print0, warn0
+from distributed import DistContext, all_gather_objects, all_reduce_mean, max_over_ranks, print0, warn0
 from metrics import MetricsLog, ProgressLine, format_duration
 from model import GPT, GPTConfig
 from sampler import ResumableDistributedSampler
 from parallel import autocast, check_supported, grad_scaler, wrap_model
-from snapshot import SnapshotMismatch, SnapshotStore
+from snapshot import SnapshotError, SnapshotMismatch, SnapshotStore
 
 
 @dataclass
@@ -50,7 +51,7 @@ class OptimizerConfig:
     min_lr: float = 1e-4
     """Learning rate at max_steps; the cosine decays from learning_rate to this."""
     warmup_steps: int = 100
-    """Steps of linear warmup from 0 to learning_rate."""
+    """Steps of linear warmup up to learning_rate (step s uses learning_rate * (s+1) / warmup_steps)."""
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.99
@@ -82,7 +83,7 @@ class TrainerConfig:
 
     max_steps: int = 2000
     """Optimizer steps in the whole run; epochs follow from it and the data size."""
-    batch_size: int = 12
+    batch_size: int = 8
     """Windows per rank per micro-step. Global batch = batch_size * world_size * grad_accum_steps."""
     grad_accum_steps: int = 1
     """Micro-steps whose gradients are summed before each optimizer step."""
@@ -149,6 +150,10 @@ class Trainer:
             optim_cfg.learning_rate, optim_cfg.weight_decay, (optim_cfg.beta1, optim_cfg.beta2), self.device.type)
         self.scaler = grad_scaler(c.use_amp, c.amp_dtype, self.device)
         self.grad_norm = torch.zeros(())
+        if len(dataset.train) < ctx.world_size * c.batch_size:
+            raise ConfigError(f"the training region has {len(dataset.train)} windows, fewer than one global batch "
+                              f"(batch_size {c.batch_size} x world size {ctx.world_size}); use more text or a "
+                              "smaller trainer_config.batch_size")
         self.sampler = ResumableDistributedSampler(dataset.train, ctx.world_size, ctx.rank, trainer_cfg.seed)
         self.step, self.epoch, self.samples_consumed = 0, 0, 0
         self.accum_steps = trainer_cfg.grad_accum_steps  # may change on resume at another world size
@@ -240,7 +245,7 @@ class Trainer:
                   f"continuing with a global batch of {per_micro_step * self.accum_steps}")
             return
         self.accum_steps = global_batch // per_micro_step
-        print0(f"resume | world size changed: global batch kept at {global_batch} windows = "
+        print0(f"resume | global batch kept at {global_batch} windows = "
                f"{self.cfg.batch_size} per rank x {self.ctx.world_size} ranks x {self.accum_steps} accumulation steps")
 
     def save_snapshot(self, block: bool = False) -> float:
@@ -266,16 +271,21 @@ class Trainer:
         return time.perf_counter() - t0
 
     def resume(self) -> None:
-        # Full tensors go to CPU first when FSDP will shard them; otherwise straight to the device.
-        state = self.store.load_latest(map_location="cpu" if self.sharded else self.device,
-                                       template=self._load_template)
+        # To CPU memory first: set_state_dict copies onto the parameters' device (or shards
+        # for FSDP), and RNG states must stay CPU tensors.
+        state = self.store.load_latest(map_location="cpu", template=self._load_template)
+        steps = all_gather_objects(state["step"] if state else None)
+        if len(set(steps)) > 1:  # e.g. one node could not read the newest snapshot and fell back
+            raise SnapshotError(f"ranks loaded different snapshots (steps {steps}) from {self.store.url!r}; "
+                                "check that every node sees the same trainer_config.snapshot_path")
         if state is None:
             print0(f"resume | no snapshot under {self.store.url} | starting fresh at step 0")
+            self.metrics.truncate_after(0)  # records of an earlier run here are not this run's history
             return
         self.load_state_dict(state)
         print0(f"resume | step {self.step} | epoch {self.epoch} | {self.samples_consumed} samples into the epoch "
                f"| saved at world size {state['world_size']}, now {self.ctx.world_size} | from {self.store.url}")
-        if state["world_size"] != self.ctx.world_size:
+        if state["global_batch"] != self.cfg.batch_size * self.ctx.world_size * self.accum_steps:
             self._keep_global_batch(state["global_batch"])
         self.metrics.truncate_after(self.step)  # steps after the snapshot will be redone
 
@@ -377,12 +387,15 @@ class Trainer:
         # finish the step on every rank, snapshot, exit, instead of losing the work since the last save.
         handlers = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
-            return self._train_loop()
+            finished = self._train_loop()
         finally:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
-            if self.ctx.is_main:
-                self.store.wait()  # the final save is on disk before the process exits
+            if self._trace is not None:
+                self._trace.close()
+        if self.ctx.is_main:
+            self.store.wait()  # the final save is on disk before the process exits
+        return finished
 
     def _train_loop(self) -> bool:
         cfg, W = self.cfg, self.ctx.world_size
@@ -427,13 +440,25 @@ class Trainer:
                     print0(line)
                 self.metrics.write(record)
                 t_last, step_last, loss_acc = time.perf_counter(), step, torch.zeros((), device=self.device)
-            if step % cfg.save_every == 0 or last:
-                self.save_snapshot(block=last)
-            if self.ctx.is_main:
-                self.store.raise_if_failed()  # a failed background save fails the job now
-            if not last and any_rank(self.stop_signal is not None):
+            failure = None
+            try:
+                if step % cfg.save_every == 0 or last:
+                    self.save_snapshot(block=last)
+                if self.ctx.is_main:
+                    self.store.raise_if_failed()  # a failed background save fails the job now
+            except SnapshotError as e:
+                failure = e
+            # One all-reduce per step tells every rank whether any rank failed to save
+            # (-> all stop with an error, instead of the others waiting in the next
+            # collective) or received SIGTERM/SIGINT (-> all stop after a snapshot).
+            signal_code = 0 if last else (self.stop_signal or 0)
+            verdict = max_over_ranks(1000 if failure else signal_code)
+            if verdict == 1000:
+                raise failure or SnapshotError("a snapshot save failed on another rank; see rank 0's log")
+            if verdict:
+                self.stop_signal = verdict
                 progress.clear()
-                print0(f"preempted | {signal.Signals(self.stop_signal or signal.SIGTERM).name} received | "
+                print0(f"preempted | {signal.Signals(verdict).name} received | "
                        f"saving step {step}; rerun the same command to continue")
                 if step % cfg.save_every:
                     self.save_snapshot(block=True)

@@ -28,8 +28,7 @@ def test_yaml_defaults_match_the_dataclass_defaults():
     sections = yaml_sections()
     for name, cls in SCHEMA.items():
         for key, value in sections[name].items():
-            if key != "batch_size":  # the YAML sizes the per-rank batch for a 4-rank run
-                assert getattr(cls(), key) == value, f"{name}.{key}"
+            assert getattr(cls(), key) == value, f"{name}.{key}"
 
 
 def test_unknown_key_is_named_with_a_suggestion():

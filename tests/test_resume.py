@@ -109,6 +109,11 @@ def test_a_failing_background_save_fails_the_job(shakespeare, tmp_path):
     assert "done | step 3000" not in out
 
 
+def ok_out(result) -> str:
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
 def _epoch0_starts(trace_dir) -> list[int]:
     starts = []
     for name in os.listdir(trace_dir):
@@ -137,3 +142,7 @@ def test_resume_at_another_world_size_sees_every_remaining_sample_once(before, a
     assert len(seen) == len(set(seen))  # nothing repeated
     assert f"global batch kept at {before * batch} windows" in second.stdout
     assert len(seen) == n_windows - (n_windows - consumed) % (before * batch)  # nothing skipped but the last partial batch
+    # A later restart at the new size still keeps the global batch (the snapshot records it).
+    third = run_main(tiny_overrides(corpus, tmp_path, max_steps=first_leg + remaining_steps + 3, **common),
+                     nproc=after)
+    assert f"global batch kept at {before * batch} windows" in ok_out(third)

@@ -12,13 +12,10 @@ def test_sbatch_script_is_valid_bash():
     assert subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True).returncode == 0
 
 
-def test_the_command_built_for_a_slurm_allocation_is_the_one_in_the_readme(tmp_path):
-    fake_bin = tmp_path / "bin"
-    fake_bin.mkdir()
-    scontrol = fake_bin / "scontrol"  # stands in for SLURM's: expands gpu[01-02]
-    scontrol.write_text('#!/usr/bin/env bash\n[ "$1 $2" = "show hostnames" ] && printf "gpu01\\ngpu02\\n"\n')
-    scontrol.chmod(0o755)
-    env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}", "DRY_RUN": "1",
+def test_the_command_built_for_a_slurm_allocation_is_the_one_in_the_readme():
+    # SLURM's scontrol stands in as an exported bash function: it expands gpu[01-02].
+    fake_scontrol = '() {  [ "$1 $2" = "show hostnames" ] && printf "gpu01\\ngpu02\\n"; }'
+    env = {**os.environ, "BASH_FUNC_scontrol%%": fake_scontrol, "DRY_RUN": "1",
            "SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242",
            "SLURM_GPUS_ON_NODE": "4"}
     out = subprocess.run(["bash", str(SCRIPT), "trainer_config.snapshot_path=/shared/runs/shakespeare"],
