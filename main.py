@@ -26,7 +26,8 @@ from distributed import (DistContext, all_gather_objects, barrier, exit_process,
                          record_exit, setup_distributed, teardown_distributed)
 from model import GPT, GPTConfig
 from snapshot import SnapshotError, SnapshotStore
-from trainer import OptimizerConfig, Trainer, TrainerConfig
+from train_config import OptimizerConfig, TrainerConfig
+from trainer import Trainer
 
 SCHEMA = {"data_config": DataConfig, "gpt_config": GPTConfig,
           "optimizer_config": OptimizerConfig, "trainer_config": TrainerConfig}

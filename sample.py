@@ -19,7 +19,7 @@ from char_dataset import CharTokenizer
 from config import build_section
 from model import GPT, GPTConfig
 from snapshot import SnapshotError, SnapshotStore
-from trainer import TrainerConfig
+from train_config import TrainerConfig
 
 
 def load_model(snapshot: str, device: str) -> tuple[GPT, CharTokenizer, int]:

@@ -41,7 +41,8 @@ def worker(args) -> None:
     from model import GPT, GPTConfig
     from parallel import local_bytes
     from snapshot import SnapshotStore
-    from trainer import OptimizerConfig, Trainer, TrainerConfig
+    from train_config import OptimizerConfig, TrainerConfig
+    from trainer import Trainer
 
     ctx = setup_distributed()
     n_layer, n_head, n_embd = json.loads(args.shape)

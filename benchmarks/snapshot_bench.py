@@ -32,7 +32,8 @@ from char_dataset import CharDataset, DataConfig  # noqa: E402
 from distributed import DistContext  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from snapshot import SnapshotStore  # noqa: E402
-from trainer import OptimizerConfig, Trainer, TrainerConfig  # noqa: E402
+from train_config import OptimizerConfig, TrainerConfig  # noqa: E402
+from trainer import Trainer  # noqa: E402
 
 MODELS = {  # name: (n_layer, n_head, n_embd)
     "default (4x128)": (4, 4, 128),

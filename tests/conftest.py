@@ -103,3 +103,19 @@ def wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 180) -> 
         if time.monotonic() > deadline:
             break
     raise AssertionError(f"{needle!r} not seen; output:\n{''.join(lines)}")
+
+
+@pytest.fixture(autouse=True)
+def no_stray_processes():
+    """After each test, kill what it left running (a job that timed out, a killed launcher's
+    workers), so one failure cannot leave processes competing with the rest of the suite.
+    Servers shared by a module's tests (moto_server) are left to their fixtures."""
+    yield
+    for pid in descendants(os.getpid()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"moto_server" in f.read():
+                    continue
+            os.kill(pid, signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass

@@ -9,7 +9,7 @@ from char_dataset import DataConfig
 from config import ConfigError, build_config, build_section
 from conftest import REPO, run_main, tiny_overrides
 from main import SCHEMA
-from trainer import OptimizerConfig, TrainerConfig
+from train_config import OptimizerConfig, TrainerConfig
 
 
 def yaml_sections() -> dict:

@@ -1,0 +1,107 @@
+"""What a training run does: the optimizer and its schedule, and the trainer's knobs.
+
+Two YAML sections, `optimizer_config` and `trainer_config`, each a typed dataclass
+validated in __post_init__ (config.py builds them strictly from the YAML). The
+Trainer in trainer.py is the code they configure.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+from config import ConfigError
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW and its learning-rate schedule (YAML section `optimizer_config`)."""
+
+    section: ClassVar[str] = "optimizer_config"
+
+    learning_rate: float = 1e-3
+    """Peak learning rate, reached at the end of warmup."""
+    min_lr: float = 1e-4
+    """Learning rate at max_steps; the cosine decays from learning_rate to this."""
+    warmup_steps: int = 100
+    """Steps of linear warmup up to learning_rate (step s uses learning_rate * (s+1) / warmup_steps)."""
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 disables clipping)."""
+
+    def __post_init__(self) -> None:
+        if self.learning_rate <= 0 or self.min_lr < 0 or self.min_lr > self.learning_rate:
+            raise ConfigError("optimizer_config: need learning_rate > 0 and 0 <= min_lr <= learning_rate")
+        if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0:
+            raise ConfigError("optimizer_config: warmup_steps, weight_decay and grad_clip must be >= 0")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ConfigError("optimizer_config: beta1 and beta2 must be in [0, 1)")
+
+    def lr_at(self, step: int, max_steps: int) -> float:
+        """Linear warmup, then cosine decay to min_lr at max_steps. A pure function of the step,
+        so resuming at step s continues the schedule exactly."""
+        if step < self.warmup_steps:
+            return self.learning_rate * (step + 1) / self.warmup_steps
+        progress = min(1.0, (step - self.warmup_steps) / max(1, max_steps - self.warmup_steps))
+        return self.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (self.learning_rate - self.min_lr)
+
+
+@dataclass
+class TrainerConfig:
+    """How long and how to train, log and snapshot (YAML section `trainer_config`)."""
+
+    section: ClassVar[str] = "trainer_config"
+
+    max_steps: int = 2000
+    """Optimizer steps in the whole run; epochs follow from it and the data size."""
+    batch_size: int = 8
+    """Windows per rank per micro-step. Global batch = batch_size * world_size * grad_accum_steps."""
+    grad_accum_steps: int = 1
+    """Micro-steps whose gradients are summed before each optimizer step."""
+    eval_every: int = 250
+    eval_iters: int = 20
+    """Batches per rank in each evaluation."""
+    log_every: int = 50
+    save_every: int = 250
+    snapshot_path: str = "runs/shakespeare_char/snapshots"
+    """Directory or URL for snapshots; relative paths are relative to where you launch."""
+    keep_last: int = 3
+    """How many snapshots to keep; older ones are deleted after a newer one is committed."""
+    metrics_path: str = "runs/shakespeare_char/metrics.jsonl"
+    """Local JSON-lines file, one record per logged step (empty string: no file)."""
+    seed: int = 1337
+    sample_chars: int = 200
+    """Characters generated at each evaluation (0: none)."""
+    parallel: str = "ddp"
+    """How the model is spread over ranks: ddp (full replicas), fsdp (FSDP2 shards), none (one process)."""
+    fsdp_reshard_after_forward: bool = True
+    """FSDP: free gathered parameters after forward (less memory; gathers again in backward)."""
+    fsdp_cpu_offload: bool = False
+    """FSDP: keep parameter shards, gradients and optimizer state in CPU memory (for GPU jobs)."""
+    use_amp: bool = False
+    """Automatic mixed precision: matmuls in amp_dtype, fp32 master weights."""
+    amp_dtype: str = "bf16"
+    """bf16 (CPU and GPU) or fp16 (GPU only, with a GradScaler)."""
+    async_save: bool = False
+    """Copy the state to CPU memory and write the snapshot in a background thread while training goes on."""
+    s3_endpoint_url: str = ""
+    """Endpoint for s3:// snapshot paths (MinIO, Ceph, R2...); empty: AWS_ENDPOINT_URL or AWS itself."""
+    collective_timeout_s: float = 600.0
+    """A collective that waits longer than this fails instead of hanging the job."""
+    trace_samples_path: str = ""
+    """Directory for per-rank JSON lines of the window starts each rank trains on (to audit data order)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "batch_size", "grad_accum_steps", "eval_every", "eval_iters",
+                     "log_every", "save_every", "keep_last"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"trainer_config.{name} must be positive, got {getattr(self, name)}")
+        if self.parallel not in ("ddp", "fsdp", "none"):
+            raise ConfigError(f"trainer_config.parallel must be ddp, fsdp or none, got {self.parallel!r}")
+        if self.amp_dtype not in ("bf16", "fp16"):
+            raise ConfigError(f"trainer_config.amp_dtype must be bf16 or fp16, got {self.amp_dtype!r}")
+        if self.sample_chars < 0 or self.collective_timeout_s <= 0:
+            raise ConfigError("trainer_config: sample_chars must be >= 0 and collective_timeout_s > 0")
