@@ -35,6 +35,14 @@ SCHEMA = {"data_config": DataConfig, "gpt_config": GPTConfig,
 USER_ERRORS = (ConfigError, DatasetError, SnapshotError, FetchError)
 
 
+# Objects that own the process group (DDP's reducer holds it) are kept alive until the
+# process ends through exit_process(). Letting Python free them when run() returns
+# destroys gloo's process group while this thread holds the GIL, and gloo's worker
+# thread, which needs the GIL to release a tensor, can then never finish: a job that
+# printed "done" hangs forever (seen on 1 rank in about 50 runs here).
+_KEEP_UNTIL_EXIT: list = []
+
+
 class StartupError(RuntimeError):
     """A start-up check failed on some rank; every rank stops with the same message."""
 
@@ -99,6 +107,7 @@ def run(raw: dict[str, Any]) -> int:
         on_all_ranks(store.check_writable if writes else lambda: None)
         run_config = {name: to_dict(section) for name, section in cfg.items()}
         trainer = Trainer(model, dataset, tcfg, cfg["optimizer_config"], ctx, run_config, store)
+        _KEEP_UNTIL_EXIT.append(trainer)
         on_all_ranks(trainer.resume)
         finished = trainer.train()
         # Leave together: a rank exiting while rank 0 still writes its last snapshot

@@ -1,0 +1,59 @@
+"""The tutorials run under torchrun on CPU and teach what they claim."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, free_port
+
+pytestmark = pytest.mark.slow
+TUTORIALS = REPO / "tutorials"
+
+
+def torchrun(script: str, nproc: int) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "--master_port", str(free_port()), str(TUTORIALS / script)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_collectives_show_every_rank_before_and_after():
+    out = torchrun("collectives.py", 4)
+    for name in ("send / recv", "broadcast", "all_reduce", "all_gather", "reduce_scatter", "barrier"):
+        assert f"== {name}" in out
+    assert "[rank 3] before [30.0, 31.0] -> after [0.0, 1.0]" in out  # broadcast from rank 0
+    assert out.count("-> after [6.0, 4.0]") == 4  # all_reduce: 0+1+2+3 and 1+1+1+1 on every rank
+    # slice 2 is the sum over ranks r of (2 + 100 r) = 4 * 2 + 100 * (0 + 1 + 2 + 3)
+    assert "[rank 2] contributed [200.0, 201.0, 202.0, 203.0] -> keeps slice 2: [608.0]" in out
+
+
+@pytest.mark.parametrize("nproc", [2, 3, 4])
+def test_ring_all_reduce_matches_dist_all_reduce_and_the_byte_formula(nproc):
+    out = torchrun("ring_allreduce.py", nproc)
+    assert len(re.findall(r"torch.int64 +matches dist.all_reduce: exactly", out)) == nproc
+    assert len(re.findall(r"torch.float32 +matches dist.all_reduce: within float tolerance", out)) == nproc
+    for sent, formula in re.findall(r"sent (\d+) bytes, 2\(N-1\)/N x size = (\d+)", out):
+        assert abs(int(sent) - int(formula)) <= 8 * nproc  # unequal chunks: off by at most a few elements
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_parameter_server_sends_more_through_rank_0_than_the_ring(nproc):
+    out = torchrun("parameter_server.py", nproc)
+    ps = float(re.search(r"\[rank 0\] parameter server +sent +([\d.]+) MB", out).group(1))
+    ring = float(re.search(r"\[rank 0\] ring +sent +([\d.]+) MB", out).group(1))
+    assert ps == pytest.approx(4.2 * (nproc - 1), rel=0.01)
+    assert ring == pytest.approx(4.2 * 2 * (nproc - 1) / nproc, rel=0.01)
+
+
+def test_single_process_and_ddp_versions_learn_the_same_line():
+    single = subprocess.run([sys.executable, str(TUTORIALS / "single_to_ddp.py")], capture_output=True, text=True,
+                            timeout=120)
+    assert single.returncode == 0, single.stderr
+    ddp = torchrun("single_to_ddp.py", 2)
+    fit = re.compile(r"y = ([\d.-]+) x \+ ([\d.-]+)")
+    (w1, b1), (w2, b2) = fit.search(single.stdout).groups(), fit.search(ddp).groups()
+    assert abs(float(w1) - 3) < 0.05 and abs(float(b1) - 1) < 0.05
+    assert abs(float(w2) - 3) < 0.05 and abs(float(b2) - 1) < 0.05
