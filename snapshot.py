@@ -156,8 +156,9 @@ class SnapshotStore:
         """Commit a written snapshot: the manifest names it, then old ones are deleted."""
         # Entries at or after this step are from a run that was rolled back past them
         # (say a newer snapshot was corrupt and we resumed from an older one): replace them.
-        older = sorted((e for e in self._manifest() if e["step"] < entry["step"]), key=lambda e: e["step"])
-        stale = [e for e in self._manifest() if e["step"] > entry["step"]]
+        current = self._manifest()  # one read (one request, on S3) per commit
+        older = sorted((e for e in current if e["step"] < entry["step"]), key=lambda e: e["step"])
+        stale = [e for e in current if e["step"] > entry["step"]]
         entries = older + [entry]
         kept, dropped = entries[-self.keep_last:], entries[:-self.keep_last] + stale
         self.storage.write(MANIFEST, json.dumps({"snapshots": kept}, indent=1).encode())  # 2. commit
@@ -288,9 +289,10 @@ class SnapshotStore:
         """Write the newest snapshot, sharded or not, as one single-file snapshot at out_path."""
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-        entry = self._candidates()[0] if self._candidates() else None
-        if entry is None:
+        candidates = self._candidates()
+        if not candidates:
             raise SnapshotError(f"no snapshot under {self.url!r}")
+        entry = candidates[0]
         if entry.get("kind") != "sharded":
             state = self.load_latest()
         else:
