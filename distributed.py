@@ -37,6 +37,8 @@ class DistContext:
     device: torch.device
     restart_count: int = 0
     """How many times torchrun has restarted the worker group (TORCHELASTIC_RESTART_COUNT)."""
+    local_world_size: int = 1
+    """How many ranks run on this node (LOCAL_WORLD_SIZE); they share its cores and GPUs."""
 
     @property
     def is_main(self) -> bool:
@@ -62,6 +64,7 @@ def setup_distributed(timeout_s: float = 600.0) -> DistContext:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ["WORLD_SIZE"])
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if torch.cuda.is_available():
         # One GPU per process, chosen by the rank on this node; nccl moves data
         # GPU-to-GPU (NVLink, InfiniBand) without going through host memory.
@@ -82,8 +85,32 @@ def setup_distributed(timeout_s: float = 600.0) -> DistContext:
     _JOB_STORE.set(f"attempt_{restart_count}/world_size", str(world_size))
     store = dist.PrefixStore(f"attempt_{restart_count}", _JOB_STORE)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    return DistContext(rank, local_rank, world_size, device, restart_count)
+    global _CONTROL_GROUP
+    # A second, CPU (gloo) group over the same ranks for the trainer's small per-step
+    # messages (stop signals, save failures): on nccl, a GPU tensor's .item() would make
+    # the CPU wait for every queued kernel each step, and the GPU would idle meanwhile.
+    _CONTROL_GROUP = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
+    return DistContext(rank, local_rank, world_size, device, restart_count, local_world_size)
 
+
+def set_cpu_threads(ctx: DistContext, requested: int = 0) -> int:
+    """Set how many threads this rank's CPU math (matmuls, elementwise ops) uses; returns it.
+
+    Ranks on one node share its cores. torchrun sets OMP_NUM_THREADS=1 for every
+    worker so that, say, 8 ranks x 8 threads do not fight over 8 cores; but on a
+    32-core node with 4 ranks that leaves 28 cores idle. 0 means: an equal share of
+    the cores this process may run on. On GPU jobs the CPU only feeds the GPU, and
+    the setting is left alone.
+    """
+    if ctx.device.type != "cpu":
+        return torch.get_num_threads()
+    threads = requested or max(1, len(os.sched_getaffinity(0)) // ctx.local_world_size)
+    torch.set_num_threads(threads)
+    return threads
+
+
+# The gloo group for per-step control messages in nccl jobs (None: the default group is gloo already).
+_CONTROL_GROUP: dist.ProcessGroup | None = None
 
 # The launcher's key-value store. Under torchrun it outlives the workers, so one
 # attempt can leave notes there for the next: why each rank of it exited.
@@ -124,10 +151,10 @@ def previous_attempt_report(ctx: DistContext) -> str:
 
 def teardown_distributed() -> None:
     """Leave the process group. Called from `finally`, so it runs on errors too."""
-    global _JOB_STORE
+    global _JOB_STORE, _CONTROL_GROUP
     if dist.is_initialized():
-        dist.destroy_process_group()
-    _JOB_STORE = None  # close the store connection now, not during interpreter shutdown
+        dist.destroy_process_group()  # destroys _CONTROL_GROUP too
+    _JOB_STORE, _CONTROL_GROUP = None, None  # close the store connection now, not during interpreter shutdown
 
 
 def exit_process(code: int) -> None:
@@ -175,10 +202,8 @@ def max_over_ranks(value: int) -> int:
     """The largest of every rank's value, on every rank (an all-reduce with MAX)."""
     if not dist.is_initialized():
         return value
-    t = torch.tensor([value], dtype=torch.int64)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    t = torch.tensor([value], dtype=torch.int64)  # a CPU tensor: this goes through gloo, never the GPU
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_CONTROL_GROUP)
     return int(t.item())
 
 

@@ -23,7 +23,7 @@ from char_dataset import CharDataset, DataConfig, DatasetError
 from config import ConfigError, build_config, to_dict
 from data.fetch_shakespeare import FetchError, ensure_tinyshakespeare
 from distributed import (DistContext, all_gather_objects, barrier, exit_process, previous_attempt_report, print0,
-                         record_exit, setup_distributed, teardown_distributed)
+                         record_exit, set_cpu_threads, setup_distributed, teardown_distributed)
 from model import GPT, GPTConfig
 from snapshot import SnapshotError, SnapshotStore
 from train_config import OptimizerConfig, TrainerConfig
@@ -88,8 +88,9 @@ def run(raw: dict[str, Any]) -> int:
     ctx = None
     try:
         ctx = setup_distributed(tcfg.collective_timeout_s)
+        threads = set_cpu_threads(ctx, tcfg.cpu_threads)
         print0(f"job | world size {ctx.world_size} | backend {torch.distributed.get_backend() if ctx.distributed else 'none'}"
-               f" | device {ctx.device} | restart {ctx.restart_count} | seed {tcfg.seed}")
+               f" | device {ctx.device} | {threads} CPU threads per rank | restart {ctx.restart_count} | seed {tcfg.seed}")
         if ctx.restart_count and ctx.is_main:
             print0(f"restart | torchrun restarted the workers (TORCHELASTIC_RESTART_COUNT={ctx.restart_count}) | "
                    f"{previous_attempt_report(ctx) or 'no report from the previous attempt'}")

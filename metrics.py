@@ -2,7 +2,8 @@
 
 Only global rank 0 reports; the numbers it writes were already averaged over all
 ranks by the trainer. The metrics file is the machine-readable history of the run
-(one JSON object per logged step); after a resume it is cut back to the snapshot's
+(one JSON object per logged step, plus one per event such as a snapshot, marked by
+an "event" key); after a resume it is cut back to the snapshot's
 step, because the steps after it are trained again, so the history has every step
 once.
 """
@@ -52,9 +53,11 @@ class MetricsLog:
         os.replace(tmp, self.path)
 
     @staticmethod
-    def read(path: str) -> list[dict]:
+    def read(path: str, event: str = "") -> list[dict]:
+        """The logged-step records; or, with event="snapshot", the records of that event."""
         with open(path, encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.strip()]
+            records = [json.loads(line) for line in f if line.strip()]
+        return [r for r in records if r.get("event", "") == event]
 
 
 class ProgressLine:

@@ -45,8 +45,14 @@ def check_supported(parallel: str, use_amp: bool, amp_dtype: str, ctx: DistConte
 
 
 def wrap_model(model: nn.Module, parallel: str, ctx: DistContext, use_amp: bool = False, amp_dtype: str = "bf16",
-               reshard_after_forward: bool = True, cpu_offload: bool = False) -> nn.Module:
+               reshard_after_forward: bool = True, cpu_offload: bool = False, compile: bool = False) -> nn.Module:
     """Return the module to call for training: DDP(model), the FSDP-sharded model, or model itself."""
+    if compile:
+        # Compile block by block, in place (torchtitan's way): every block has the same
+        # code, so it compiles once and is reused; parameter names do not change (no
+        # "_orig_mod." prefixes in snapshots), and DDP/FSDP wrap the compiled blocks.
+        for block in model.blocks:
+            block.compile()
     if parallel == "fsdp":
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 

@@ -93,6 +93,14 @@ class TrainerConfig:
     """A collective that waits longer than this fails instead of hanging the job."""
     trace_samples_path: str = ""
     """Directory for per-rank JSON lines of the window starts each rank trains on (to audit data order)."""
+    compile: bool = False
+    """torch.compile each transformer block (inductor kernels). Pays on GPUs; on the 2-core CPU measured
+    here it made steps slower and cost ~30 s of compiling (benchmarks/bench.py), hence off by default."""
+    cpu_threads: int = 0
+    """Threads for each rank's CPU math; 0: the cores this process may use divided by the ranks on its
+    node (torchrun alone gives every rank 1 thread, leaving cores idle when there are more cores than ranks)."""
+    target_val_loss: float = 0.0
+    """Stop at the first evaluation whose validation loss is at or below this (after a snapshot); 0: off."""
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "batch_size", "grad_accum_steps", "eval_every", "eval_iters",
@@ -105,3 +113,5 @@ class TrainerConfig:
             raise ConfigError(f"trainer_config.amp_dtype must be bf16 or fp16, got {self.amp_dtype!r}")
         if self.sample_chars < 0 or self.collective_timeout_s <= 0:
             raise ConfigError("trainer_config: sample_chars must be >= 0 and collective_timeout_s > 0")
+        if self.cpu_threads < 0 or self.target_val_loss < 0:
+            raise ConfigError("trainer_config: cpu_threads and target_val_loss must be >= 0 (0: automatic / off)")

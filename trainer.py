@@ -51,7 +51,7 @@ class Trainer:
         self.sharded = c.parallel == "fsdp"
         self.raw_model = model.to(self.device)  # the plain module (under FSDP: sharded in place)
         self.model = wrap_model(self.raw_model, c.parallel, ctx, c.use_amp, c.amp_dtype,
-                                c.fsdp_reshard_after_forward, c.fsdp_cpu_offload)  # what training calls
+                                c.fsdp_reshard_after_forward, c.fsdp_cpu_offload, c.compile)  # what training calls
         # Built after wrapping: under FSDP the optimizer must hold the sharded parameters.
         self.optimizer = self.raw_model.configure_optimizer(
             optim_cfg.learning_rate, optim_cfg.weight_decay, (optim_cfg.beta1, optim_cfg.beta2), self.device.type)
@@ -63,6 +63,7 @@ class Trainer:
                               "smaller trainer_config.batch_size")
         self.sampler = ResumableDistributedSampler(dataset.train, ctx.world_size, ctx.rank, trainer_cfg.seed)
         self.step, self.epoch, self.samples_consumed = 0, 0, 0
+        self.data_seconds = 0.0  # time spent preparing batches since the last log line
         self.accum_steps = trainer_cfg.grad_accum_steps  # may change on resume at another world size
         self._local_key: tuple[int, int] | None = None  # (epoch, start) of the cached index shard
         # Each rank gets its own random stream (dropout must differ across ranks'
@@ -156,7 +157,12 @@ class Trainer:
                f"{self.cfg.batch_size} per rank x {self.ctx.world_size} ranks x {self.accum_steps} accumulation steps")
 
     def save_snapshot(self, block: bool = False) -> float:
-        """Save the current state; returns the seconds training was stalled by it."""
+        """Save the current state; returns (and records in the metrics) the seconds training was stalled."""
+        stalled = self._write_snapshot(block)
+        self.metrics.write({"step": self.step, "event": "snapshot", "stall_ms": round(1e3 * stalled, 2)})
+        return stalled
+
+    def _write_snapshot(self, block: bool) -> float:
         t0 = time.perf_counter()
         if self.sharded:  # every rank writes its own shards, in parallel
             entry = self.store.save_sharded(self.tensor_state(), self.meta_state(), self.step, self.ctx.is_main)
@@ -257,7 +263,9 @@ class Trainer:
         n_micro = self.accum_steps
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(n_micro):
+            t0 = time.perf_counter()
             x, y = self._next_batch()
+            self.data_seconds += time.perf_counter() - t0
             with self._gradient_sync(micro == n_micro - 1), self._autocast():
                 _, loss = self.model(x, y)
             self.scaler.scale(loss / n_micro).backward()  # scale: a no-op unless fp16
@@ -331,7 +339,8 @@ class Trainer:
                 eta = (now - t_start) / (step - start_step) * (cfg.max_steps - step)
                 record = {"step": step, "epoch": self.epoch, "train_loss": round(train_loss, 6),
                           "lr": self.optimizer.param_groups[0]["lr"], "tokens_per_sec": round(tokens_per_step / dt_step, 1),
-                          "ms_per_step": round(1e3 * dt_step, 2), "grad_norm": round(self._grad_norm_value(), 4)}
+                          "ms_per_step": round(1e3 * dt_step, 2), "grad_norm": round(self._grad_norm_value(), 4),
+                          "data_ms": round(1e3 * self.data_seconds / (step - step_last), 3)}
                 progress.clear()
                 print0(f"step {step:>6}/{cfg.max_steps} | epoch {self.epoch} | loss {train_loss:.4f} | "
                        f"lr {record['lr']:.2e} | {record['tokens_per_sec'] / 1e3:.1f}k tok/s | "
@@ -345,8 +354,13 @@ class Trainer:
                         record["sample"] = self._sample()
                         line += f" | sample: {record['sample']!r}"
                     print0(line)
+                    if record["val_loss"] <= cfg.target_val_loss:
+                        print0(f"target | val loss {record['val_loss']:.4f} <= trainer_config.target_val_loss "
+                               f"{cfg.target_val_loss} at step {step} | stopping")
+                        last = True  # every rank evaluated the same all-reduced loss: they all stop here
                 self.metrics.write(record)
                 t_last, step_last, loss_acc = time.perf_counter(), step, torch.zeros((), device=self.device)
+                self.data_seconds = 0.0
             failure = None
             try:
                 if step % cfg.save_every == 0 or last:
@@ -370,6 +384,8 @@ class Trainer:
                 if step % cfg.save_every:
                     self.save_snapshot(block=True)
                 return False
+            if last:
+                break
         progress.clear()
         print0(f"done | step {self.step} | {format_duration(time.perf_counter() - t_start)} wall time this run")
         return True

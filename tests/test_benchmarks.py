@@ -32,3 +32,26 @@ def test_fsdp_benchmark_smoke_mode_reports_memory_speed_and_save_time(shakespear
     rows = {r["parallel"]: r for r in json.loads((tmp_path / "fsdp.json").read_text())}
     assert rows["fsdp"]["optimizer_MB"] < rows["ddp"]["optimizer_MB"]  # sharded: each rank holds a part
     assert all(r["tokens_per_sec"] > 0 and r["save_s"] > 0 for r in rows.values())
+
+
+def test_bench_smoke_mode_prints_the_mode_table_and_writes_json_and_chart(shakespeare, tmp_path):
+    result = run_smoke("bench.py", shakespeare, tmp_path / "bench.json")
+    assert "| mode | ms/step | tokens/s | MFU | data % |" in result.stdout
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["mode"] for r in report["rows"]] == ["single process", "DDP x2"]
+    for row in report["rows"]:
+        assert row["ms_per_step"] > 0 and 0 < row["mfu"] < 1 and 0 <= row["data_pct"] < 100
+        assert row["snapshot_blocked_ms"] > 0  # the mid-run asynchronous save was timed
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_time_to_quality_reports_steps_tokens_and_wall_time_to_the_target(shakespeare, tmp_path):
+    out = tmp_path / "ttq.json"
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "time_to_quality.py"), "--recipe", "smoke",
+                             "--target", "3.3", "--data", str(shakespeare), "--out", str(out)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["reached"] and report["val_loss"] <= 3.3 and report["step"] % 10 == 0
+    assert report["tokens"] == report["step"] * 8 * 32 and report["wall_s"] > 0
+    assert "reached 3.3" in result.stdout

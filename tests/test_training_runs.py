@@ -77,3 +77,27 @@ def test_killed_torchrun_job_resumes_and_matches_an_uninterrupted_run_exactly(sh
     final_a = SnapshotStore(str(tmp_path / "straight" / "snapshots")).load_latest()["model"]
     final_b = SnapshotStore(str(tmp_path / "killed" / "snapshots")).load_latest()["model"]
     assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
+
+
+def test_target_val_loss_stops_at_the_first_evaluation_that_reaches_it_after_a_snapshot(shakespeare, tmp_path):
+    # Learning rate high enough that a tiny model passes 3.0 within a few evaluations.
+    args = tiny_overrides(shakespeare, tmp_path, max_steps=400, eval_every=10, save_every=1000, log_every=10,
+                          target_val_loss=3.0) + ["optimizer_config.learning_rate=1e-2", "optimizer_config.warmup_steps=5"]
+    result = run_main(args)
+    assert result.returncode == 0, result.stderr
+    evals = [r for r in MetricsLog.read(str(tmp_path / "metrics.jsonl")) if "val_loss" in r]
+    assert evals[-1]["val_loss"] <= 3.0 and all(r["val_loss"] > 3.0 for r in evals[:-1])
+    stop = evals[-1]["step"]
+    assert stop < 400 and f"at step {stop} | stopping" in result.stdout
+    assert SnapshotStore(str(tmp_path / "snapshots")).load_latest()["step"] == stop  # the work is saved
+
+
+def test_metrics_record_data_time_and_each_snapshot_stall(shakespeare, tmp_path):
+    result = run_main(tiny_overrides(shakespeare, tmp_path, max_steps=20, save_every=10, log_every=5)
+                      + ["trainer_config.cpu_threads=1"])
+    assert result.returncode == 0, result.stderr
+    assert "| 1 CPU threads per rank |" in result.stdout
+    path = str(tmp_path / "metrics.jsonl")
+    assert all(0 <= r["data_ms"] < r["ms_per_step"] for r in MetricsLog.read(path))
+    saves = MetricsLog.read(path, event="snapshot")
+    assert [s["step"] for s in saves] == [10, 20] and all(s["stall_ms"] > 0 for s in saves)

@@ -1,0 +1,226 @@
+"""Training speed, mode by mode: tokens/s, ms/step, MFU, data-loading share and snapshot stall.
+
+    python benchmarks/bench.py --data data/tinyshakespeare/input.txt            # CPU table (~5 min on 2 cores)
+    python benchmarks/bench.py --recipe gpu-shakespeare --data ...               # on a GPU machine
+    python benchmarks/bench.py --smoke --data ...                                # seconds: what CI runs
+
+Every mode is a real, short training run of main.py (torchrun for the multi-process
+ones) at the same *global* batch, so the rows compare like with like: one process,
+DDP over 2 and 4 processes, DDP with bf16 autocast, FSDP, torch.compile on/off. The
+numbers come from the run's own metrics file:
+
+- ms/step, tokens/s: median over logged windows, leaving out the first (start-up,
+  compilation, allocator warm-up). Tokens/s counts all ranks.
+- MFU (model FLOPs utilisation): model FLOPs per token (6N + attention, from the
+  config) x tokens/s / the device's peak, measured here with a large matmul in the
+  same precision (or given with --peak-gflops).
+- data %: time in the batch path (index -> tensor -> device) / step time.
+- snapshot: one asynchronous save mid-run. "blocked" is the time the loop spent in
+  the save call; "cost" is how much longer the window containing it took than the
+  median window (it includes the background write competing for the CPU), in steps.
+Writes a JSON file and a PNG chart (matplotlib; skipped with a note if missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import torch  # noqa: E402
+
+from metrics import MetricsLog  # noqa: E402
+
+# name: (n_layer, n_head, n_embd, block_size, global batch, dropout); the first is nanoGPT's CPU recipe.
+RECIPES = {
+    "cpu": (4, 4, 128, 64, 12, 0.0),
+    "gpu-shakespeare": (6, 6, 384, 256, 64, 0.2),  # nanoGPT's shakespeare_char
+    "gpt2": (12, 12, 768, 1024, 16, 0.0),  # GPT-2 small's shape (vocabulary: the corpus's characters)
+    "smoke": (2, 2, 32, 32, 8, 0.0),
+}
+# name: (processes, trainer_config overrides)
+CPU_MODES = [
+    ("single process", 1, {"parallel": "none"}),
+    ("single + torch.compile", 1, {"parallel": "none", "compile": True}),
+    ("single + bf16 autocast", 1, {"parallel": "none", "use_amp": True}),
+    ("DDP x2", 2, {"parallel": "ddp"}),
+    ("DDP x4", 4, {"parallel": "ddp"}),
+    ("DDP x2 + bf16 autocast", 2, {"parallel": "ddp", "use_amp": True}),
+    ("FSDP x2", 2, {"parallel": "fsdp"}),
+]
+GPU_MODES = [  # one GPU: the precision and compiler choices
+    ("single GPU fp32", 1, {"parallel": "none"}),
+    ("single GPU bf16 autocast", 1, {"parallel": "none", "use_amp": True}),
+    ("single GPU bf16 + compile", 1, {"parallel": "none", "use_amp": True, "compile": True}),
+]
+SMOKE_MODES = [("single process", 1, {"parallel": "none"}), ("DDP x2", 2, {"parallel": "ddp"})]
+
+
+def hardware() -> dict:
+    if torch.cuda.is_available():
+        return {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "torch": torch.__version__}
+    model, flags = platform.processor(), set()
+    if os.path.exists("/proc/cpuinfo"):
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    extras = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return {"device": f"{model} ({', '.join(extras) or 'no AVX-512'})", "cores": len(os.sched_getaffinity(0)),
+            "torch": torch.__version__}
+
+
+def peak_gflops(dtype: torch.dtype, n: int) -> float:
+    """The best of a few n x n matmuls in this precision, using every core (or the GPU)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
+    best = float("inf")
+    for _ in range(5):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            a @ b
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / 3)
+    return 2 * n**3 / best / 1e9
+
+
+def flops_per_token(n_layer: int, n_embd: int, block_size: int, vocab: int) -> float:
+    """6 x parameters (matmul forward + backward) + attention's 12 x L x C x T, as model.GPT.flops_per_token."""
+    n_params = n_layer * 12 * n_embd**2 + vocab * n_embd  # blocks + the (tied) head; biases and norms are noise
+    return 6 * n_params + 12 * n_layer * n_embd * block_size
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_mode(name: str, nproc: int, overrides: dict, recipe: tuple, steps: int, log_every: int, data: str,
+             workdir: str) -> dict:
+    n_layer, n_head, n_embd, block, global_batch, dropout = recipe
+    run_dir = os.path.join(workdir, name.replace(" ", "_").replace("+", "").replace(".", ""))
+    settings = {
+        "data_config.path": data, "data_config.block_size": block,
+        "gpt_config.n_layer": n_layer, "gpt_config.n_head": n_head, "gpt_config.n_embd": n_embd,
+        "gpt_config.dropout": dropout, "gpt_config.bias": False,
+        "trainer_config.batch_size": global_batch // nproc, "trainer_config.max_steps": steps,
+        "trainer_config.log_every": log_every, "trainer_config.eval_every": steps, "trainer_config.eval_iters": 1,
+        "trainer_config.sample_chars": 0, "trainer_config.save_every": steps // 2, "trainer_config.async_save": True,
+        "trainer_config.snapshot_path": f"{run_dir}/snapshots", "trainer_config.metrics_path": f"{run_dir}/metrics.jsonl",
+        **{f"trainer_config.{k}": v for k, v in overrides.items()},
+    }
+    args = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in settings.items()]
+    launcher = [sys.executable] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    env = {**os.environ, "MASTER_PORT": str(free_port())}
+    t0 = time.perf_counter()
+    result = subprocess.run([*launcher, os.path.join(REPO, "main.py"), *args], capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t0
+    if result.returncode != 0:
+        raise SystemExit(f"error: mode {name!r} failed (exit {result.returncode}):\n{result.stderr[-2000:]}")
+    windows = MetricsLog.read(f"{run_dir}/metrics.jsonl")
+    saves = [e for e in MetricsLog.read(f"{run_dir}/metrics.jsonl", event="snapshot") if e["step"] < steps]
+    steady = windows[1:] or windows
+    ms = statistics.median(w["ms_per_step"] for w in steady)
+    data_ms = statistics.median(w["data_ms"] for w in steady)
+    row = {"mode": name, "processes": nproc, "ms_per_step": round(ms, 2),
+           "tokens_per_sec": round(global_batch * block / ms * 1e3, 1), "data_pct": round(100 * data_ms / ms, 2),
+           "first_window_extra_s": round((windows[0]["ms_per_step"] - ms) * log_every / 1e3, 2),
+           "wall_s": round(wall, 1), "final_loss": windows[-1]["train_loss"]}
+    if saves:  # the window that contains the mid-run save (it happens right after its step is logged)
+        after = next((w for w in windows if w["step"] > saves[0]["step"]), None)
+        cost_ms = max(0.0, (after["ms_per_step"] - ms) * log_every) if after else 0.0
+        row.update(snapshot_blocked_ms=saves[0]["stall_ms"], snapshot_cost_ms=round(cost_ms, 1),
+                   snapshot_cost_steps=round(cost_ms / ms, 2))
+    return row
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| mode | ms/step | tokens/s | MFU | data % | snapshot blocked / cost | first-window extra |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        snap = (f"{r['snapshot_blocked_ms']:.0f} ms / {r['snapshot_cost_steps']:.2f} steps"
+                if "snapshot_blocked_ms" in r else "-")
+        lines.append(f"| {r['mode']} | {r['ms_per_step']:.1f} | {r['tokens_per_sec'] / 1e3:.1f}k | "
+                     f"{100 * r['mfu']:.1f}% | {r['data_pct']:.2f} | {snap} | {r['first_window_extra_s']:.1f} s |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data", default=os.path.join(REPO, "data", "tinyshakespeare", "input.txt"))
+    parser.add_argument("--recipe", choices=[r for r in RECIPES if r != "smoke"], default="cpu")
+    parser.add_argument("--steps", type=int, default=120, help="optimizer steps per mode")
+    parser.add_argument("--log-every", type=int, default=10, help="steps per timed window")
+    parser.add_argument("--modes", default="", help="comma-separated substrings: run only the modes that match")
+    parser.add_argument("--peak-gflops", type=float, default=0.0, help="the device's peak (default: measured)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, a few steps, two modes (for CI)")
+    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "bench.json"))
+    parser.add_argument("--chart", default="", help="PNG to write (default: the --out path with .png)")
+    args = parser.parse_args()
+    if not os.path.exists(args.data):
+        sys.exit(f"error: no corpus at {args.data}; run python data/fetch_shakespeare.py or pass --data")
+    recipe_name = "smoke" if args.smoke else args.recipe
+    recipe = RECIPES[recipe_name]
+    steps, log_every = (8, 2) if args.smoke else (args.steps, args.log_every)
+    modes = SMOKE_MODES if args.smoke else GPU_MODES if torch.cuda.is_available() else CPU_MODES
+    if args.modes:
+        wanted = [m.strip() for m in args.modes.split(",")]
+        modes = [m for m in modes if any(w in m[0] for w in wanted)]
+
+    hw = hardware()
+    size = 512 if args.smoke else 4096 if torch.cuda.is_available() else 2048
+    peaks = {"fp32": args.peak_gflops or peak_gflops(torch.float32, size),
+             "bf16": args.peak_gflops or peak_gflops(torch.bfloat16, size)}
+    vocab = len(set(open(args.data, encoding="utf-8").read()))
+    fpt = flops_per_token(recipe[0], recipe[2], recipe[3], vocab)
+    print(f"bench | {hw['device']} | {hw.get('cores', hw.get('gpus'))} {'cores' if 'cores' in hw else 'GPUs'} | "
+          f"torch {hw['torch']} | matmul peak fp32 {peaks['fp32']:.0f} / bf16 {peaks['bf16']:.0f} GFLOP/s")
+    print(f"bench | recipe {recipe_name}: {recipe[0]} layers x {recipe[1]} heads x {recipe[2]} wide, "
+          f"context {recipe[3]}, global batch {recipe[4]} | {fpt / 1e6:.2f} MFLOP/token | {steps} steps per mode")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-") as workdir:
+        for name, nproc, overrides in modes:
+            row = run_mode(name, nproc, overrides, recipe, steps, log_every, args.data, workdir)
+            row["mfu"] = round(row["tokens_per_sec"] * fpt / (peaks["bf16" if overrides.get("use_amp") else "fp32"]
+                                                             * 1e9), 4)
+            rows.append(row)
+            print(f"bench | {name} | {row['ms_per_step']:.1f} ms/step | {row['tokens_per_sec'] / 1e3:.1f}k tok/s | "
+                  f"MFU {100 * row['mfu']:.1f}% | data {row['data_pct']:.2f}%", flush=True)
+    table = markdown_table(rows)
+    print(table)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"hardware": hw, "peak_gflops": peaks, "recipe": recipe_name, "flops_per_token": fpt,
+                   "steps": steps, "rows": rows}, f, indent=1)
+    chart = args.chart or os.path.splitext(args.out)[0] + ".png"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print('bench | matplotlib not installed: no chart (pip install -e ".[plot]")')
+        return 0
+    from plot import plot_benchmark
+
+    plot_benchmark(rows, chart, f"{recipe_name} recipe on {hw['device'].split(' (')[0]}, "
+                                f"{hw.get('cores', hw.get('gpus'))} {'cores' if 'cores' in hw else 'GPUs'}")
+    print(f"bench | wrote {args.out} and {chart}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
