@@ -14,6 +14,8 @@ import json
 import os
 import sys
 
+from config import ConfigError
+
 
 def format_duration(seconds: float) -> str:
     seconds = int(round(seconds))
@@ -23,17 +25,32 @@ def format_duration(seconds: float) -> str:
 
 
 class MetricsLog:
-    """Append-only JSON lines on a local path; an empty path disables it."""
+    """Append-only JSON lines on a local path (an empty path disables it), optionally mirrored to TensorBoard."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, tensorboard_dir: str = ""):
         self.path = path
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.tensorboard = None
+        if tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ConfigError("trainer_config.tensorboard_dir needs the tensorboard package: "
+                                  "pip install -e \".[tensorboard]\" (or set it to \"\")") from None
+            self.tensorboard = SummaryWriter(tensorboard_dir)
 
     def write(self, record: dict) -> None:
         if self.path:
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        if self.tensorboard is not None:
+            # One chart per number (train_loss, val_loss, lr, tokens_per_sec...), x axis = step.
+            prefix = f"{record['event']}/" if "event" in record else ""
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.tensorboard.add_scalar(prefix + key, value, record["step"])
+            self.tensorboard.flush()
 
     def truncate_after(self, step: int) -> None:
         """Drop records past `step` (written before a crash, about to be redone)."""

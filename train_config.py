@@ -99,6 +99,8 @@ class TrainerConfig:
     cpu_threads: int = 0
     """Threads for each rank's CPU math; 0: the cores this process may use divided by the ranks on its
     node (torchrun alone gives every rank 1 thread, leaving cores idle when there are more cores than ranks)."""
+    tensorboard_dir: str = ""
+    """Also log every metrics record to TensorBoard event files here (pip install -e ".[tensorboard]"); empty: off."""
     target_val_loss: float = 0.0
     """Stop at the first evaluation whose validation loss is at or below this (after a snapshot); 0: off."""
 

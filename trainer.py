@@ -69,7 +69,8 @@ class Trainer:
         # Each rank gets its own random stream (dropout must differ across ranks'
         # different samples); all streams follow from the one configured seed.
         torch.manual_seed(trainer_cfg.seed + ctx.rank)
-        self.metrics = MetricsLog(trainer_cfg.metrics_path if ctx.is_main else "")
+        self.metrics = MetricsLog(trainer_cfg.metrics_path if ctx.is_main else "",
+                                  trainer_cfg.tensorboard_dir if ctx.is_main else "")
         self.stop_signal: int | None = None  # set by SIGTERM/SIGINT: finish the step, snapshot, exit
         self._trace = None
         if trainer_cfg.trace_samples_path:
