@@ -1,0 +1,63 @@
+"""Launching without torchrun: torch.multiprocessing.spawn, and what a launcher really does.
+
+    python tutorials/spawn_launch.py --nproc 2                                    # main.py's training, 2 ranks
+    python tutorials/spawn_launch.py --nproc 2 trainer_config.max_steps=100      # with overrides
+
+A launcher's whole job is to start N copies of the training code and tell each one
+who it is. torchrun does that with environment variables (RANK, LOCAL_RANK,
+WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), and restarts the copies
+when one fails. mp.spawn starts N processes on this machine and passes each its
+index as the first argument; here each child turns that index into the same
+variables and calls main.run(), so main.py cannot tell the difference.
+What you give up compared with torchrun: restarts (--max-restarts), elastic
+membership, and multi-node rendezvous. Use it in notebooks or when you need the
+processes to share a parent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+
+import torch.multiprocessing as mp
+from omegaconf import OmegaConf
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def worker(local_rank: int, nproc: int, port: int, overrides: list[str]) -> None:
+    """Runs in each child process; mp.spawn passes local_rank = 0 .. nproc-1."""
+    # One machine: the global rank is the local rank. These are the variables torchrun sets.
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc),
+                      LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    sys.path.insert(0, REPO)
+    import main  # imported after the variables are set: distributed.py reads RANK for print0
+
+    # What Hydra does for main.py: the YAML, then the command-line overrides.
+    cfg = OmegaConf.merge(OmegaConf.load(os.path.join(REPO, "gpt2_train_cfg.yaml")), OmegaConf.from_dotlist(overrides))
+    raw = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k in main.SCHEMA}
+    code = main.run(raw)
+    main.exit_process(code)  # a non-zero exit makes mp.spawn raise in the parent
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="Train main.py's model with torch.multiprocessing.spawn.")
+    parser.add_argument("--nproc", type=int, default=2, help="processes (ranks) to start on this machine")
+    parser.add_argument("overrides", nargs="*", help="config overrides, as for main.py (section.key=value)")
+    args = parser.parse_args()
+    with socket.socket() as s:  # a free port for the rendezvous (torchrun --standalone does the same)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    try:
+        # join=True: wait for all children; if one fails, the others are terminated and this raises.
+        mp.spawn(worker, args=(args.nproc, port, args.overrides), nprocs=args.nproc, join=True)
+    except mp.ProcessExitedException as e:
+        print(f"error: rank {e.error_index} exited with code {e.exit_code}; see its message above", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
