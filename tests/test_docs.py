@@ -1,0 +1,154 @@
+"""Docs that cannot rot: the README's commands run, its code links point at the right lines.
+
+Every ```bash block in README.md carries a marker comment on the line before it:
+- <!-- runnable -->: each command is run here, in order, in one scratch directory, with a
+  tiny model and step counts divided by 40 (so a renamed flag or key fails CI);
+- <!-- syntax-only -->: cannot run here (GPUs, several machines): `bash -n`, and every
+  config override must name a real key;
+- <!-- test-command --> / <!-- slurm-command -->: checked by test_config.py / test_slurm.py.
+README.zh-CN.md must carry the same blocks, in the same order, and the same sections.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, free_port
+from main import SCHEMA
+
+READMES = [REPO / "README.md", REPO / "README.zh-CN.md"]
+MARKERS = ("runnable", "syntax-only", "test-command", "slurm-command")
+BLOCK = re.compile(r"(?:<!-- ([\w-]+) -->\n)?```bash\n(.*?)```", re.S)
+CODE_LINK = re.compile(r"\[`([^`]+)`\]\(([\w./-]+\.py)#L(\d+)\)")
+# Tiny stand-ins for the run's size; step counts are scaled instead (see scaled()).
+TINY = {"gpt_config.n_layer": "1", "gpt_config.n_head": "2", "gpt_config.n_embd": "32", "gpt_config.preset": "",
+        "data_config.block_size": "32", "trainer_config.batch_size": "4", "trainer_config.eval_iters": "2",
+        "trainer_config.sample_chars": "20", "trainer_config.eval_every": "5", "trainer_config.save_every": "5",
+        "trainer_config.log_every": "5"}
+
+
+def blocks(path: Path) -> list[tuple[str, str]]:
+    return [(marker or "", body) for marker, body in BLOCK.findall(path.read_text())]
+
+
+def commands(body: str) -> list[list[str]]:
+    """Shell commands of a block: continuation lines joined, comments dropped, split like a shell."""
+    joined = body.replace("\\\n", " ")
+    return [words for line in joined.splitlines() if (words := shlex.split(line, comments=True))]
+
+
+def overrides_of(words: list[str]) -> dict[str, str]:
+    return dict(w.split("=", 1) for w in words if re.match(r"^\w+\.\w+=", w))
+
+
+def check_keys(overrides: dict[str, str]) -> None:
+    for key in overrides:
+        section, name = key.split(".", 1)
+        assert section in SCHEMA, f"{key}: no config section {section!r}"
+        assert name in {f.name for f in fields(SCHEMA[section])}, f"{key}: {section} has no key {name!r}"
+
+
+def scaled(words: list[str]) -> list[str]:
+    """A main.py-style command's overrides made tiny: sizes replaced, max_steps divided by 40."""
+    given = overrides_of(words)
+    check_keys(given)
+    steps = max(4, int(given.get("trainer_config.max_steps", "2000")) // 40)
+    merged = {**given, **TINY, "trainer_config.max_steps": str(steps)}
+    return [w for w in words if not re.match(r"^\w+\.\w+=", w)] + [f"{k}={v}" for k, v in merged.items()]
+
+
+def rewrite(words: list[str], corpus: Path, workdir: Path) -> list[str] | None:
+    """The command as this test runs it (scripts from the repository, tiny sizes), or None to skip it."""
+    if words[0] == "pip":  # installing is CI's job; the extras it names must exist
+        extras = re.findall(r"\[([\w,]+)\]", " ".join(words))
+        pyproject = (REPO / "pyproject.toml").read_text()
+        assert all(f"\n{e} = [" in pyproject for x in extras for e in x.split(",")), words
+        return None
+    words = [str(REPO / w) if (REPO / w).is_file() and w.endswith(".py") else w for w in words]
+    if words[0] == "python":
+        words[0] = sys.executable
+    elif words[0] == "torchrun":
+        words = [sys.executable, "-m", "torch.distributed.run", *words[1:]]
+        if "--standalone" not in words:
+            words.insert(3, f"--master_port={free_port()}")
+    script = next((Path(w).name for w in words if w.endswith(".py")), "")
+    if script in ("main.py", "spawn_launch.py"):
+        return scaled(words)
+    if script == "fetch_shakespeare.py":
+        return words + ["--dest", str(workdir / "data" / "tinyshakespeare" / "input.txt")]
+    if script == "bench.py":
+        return words + ["--smoke", "--data", str(corpus), "--out", str(workdir / "bench.json")]
+    if script == "time_to_quality.py":
+        return words + ["--recipe", "smoke", "--target", "3.9", "--data", str(corpus)]
+    return words
+
+
+def test_every_bash_block_in_the_readmes_is_marked():
+    for readme in READMES:
+        for marker, body in blocks(readme):
+            assert marker in MARKERS, f"{readme.name}: unmarked bash block:\n{body}"
+
+
+def test_the_chinese_readme_has_the_same_commands_and_sections_as_the_english_one():
+    english, chinese = READMES
+    assert blocks(chinese) == blocks(english)
+    heading = re.compile(r"^## (\d+)\.", re.M)
+    assert heading.findall(chinese.read_text()) == heading.findall(english.read_text())
+    assert chinese.read_text().count("\n## ") == english.read_text().count("\n## ")
+
+
+def test_code_links_point_at_the_lines_that_do_it():
+    for readme in READMES:
+        links = CODE_LINK.findall(readme.read_text())
+        assert len(links) >= 20, f"{readme.name}: expected the concepts to link to code"
+        for name, path, line in links:
+            lines = (REPO / path).read_text().splitlines()
+            symbol = name.split("(")[0].split(".")[-1]
+            assert symbol in lines[int(line) - 1], f"{readme.name}: [{name}]({path}#L{line}) is now: {lines[int(line) - 1]!r}"
+
+
+def test_relative_links_lead_to_files_that_exist():
+    for readme in [*READMES, *sorted((REPO / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#:\s]+)(?:#[^)]*)?\)", readme.read_text()):
+            assert (readme.parent / target).exists(), f"{readme.name} links to missing {target}"
+
+
+def test_syntax_only_commands_parse_and_name_real_config_keys():
+    checked = 0
+    for marker, body in blocks(READMES[0]):
+        if marker != "syntax-only":
+            continue
+        assert subprocess.run(["bash", "-n"], input=body, text=True).returncode == 0, body
+        for words in commands(body):
+            check_keys(overrides_of(words))
+            if "--config-name" in words:
+                assert (REPO / f"{words[words.index('--config-name') + 1]}.yaml").is_file()
+            checked += 1
+    assert checked >= 4
+
+
+@pytest.mark.slow
+def test_runnable_readme_commands_run_in_order(shakespeare, tmp_path):
+    (tmp_path / "my_novel.txt").write_text(shakespeare.read_text()[:200_000])  # "your own text"
+    env = {**os.environ, "TINYSHAKESPEARE_URL": str(shakespeare), "PYTHONUNBUFFERED": "1"}
+    ran = 0
+    for marker, body in blocks(READMES[0]):
+        if marker != "runnable":
+            continue
+        for words in commands(body):
+            command = rewrite(words, shakespeare, tmp_path)
+            if command is None:
+                continue
+            result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+            assert result.returncode == 0, f"{' '.join(words)}\n{result.stdout[-1500:]}\n{result.stderr[-3000:]}"
+            ran += 1
+    assert ran >= 15
+    assert (tmp_path / "loss.png").is_file() and (tmp_path / "demo.pt").is_file()
