@@ -2,7 +2,7 @@
 
 Every ```bash block in README.md carries a marker comment on the line before it:
 - <!-- runnable -->: each command is run here, in order, in one scratch directory, with a
-  tiny model and step counts divided by 40 (so a renamed flag or key fails CI);
+  tiny model and step counts divided by 50 (so a renamed flag or key fails CI);
 - <!-- syntax-only -->: cannot run here (GPUs, several machines): `bash -n`, and every
   config override must name a real key;
 - <!-- test-command --> / <!-- slurm-command -->: checked by test_config.py / test_slurm.py.
@@ -57,10 +57,10 @@ def check_keys(overrides: dict[str, str]) -> None:
 
 
 def scaled(words: list[str]) -> list[str]:
-    """A main.py-style command's overrides made tiny: sizes replaced, max_steps divided by 40."""
+    """A main.py-style command's overrides made tiny: sizes replaced, max_steps divided by 50."""
     given = overrides_of(words)
     check_keys(given)
-    steps = max(4, int(given.get("trainer_config.max_steps", "2000")) // 40)
+    steps = max(4, int(given.get("trainer_config.max_steps", "2000")) // 50)
     merged = {**given, **TINY, "trainer_config.max_steps": str(steps)}
     return [w for w in words if not re.match(r"^\w+\.\w+=", w)] + [f"{k}={v}" for k, v in merged.items()]
 
