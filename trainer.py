@@ -317,11 +317,13 @@ class Trainer:
         cfg, W = self.cfg, self.ctx.world_size
         tokens_per_step = cfg.batch_size * self.raw_model.config.block_size * W * self.accum_steps
         epochs = cfg.max_steps * tokens_per_step / self.raw_model.config.block_size / len(self.dataset.train)
-        print0(f"train | {self.raw_model.num_params() / 1e6:.2f}M parameters | world size {W} | "
-               f"global batch {cfg.batch_size * W * self.accum_steps} windows = {tokens_per_step} tokens | "
+        precision = f"{cfg.amp_dtype} autocast" if cfg.use_amp else "fp32"
+        print0(f"train | {self.raw_model.num_params() / 1e6:.2f}M parameters | {cfg.parallel} | {precision}"
+               f"{' + compile' if cfg.compile else ''} | world size {W} | global batch {cfg.batch_size * W * self.accum_steps} windows = {tokens_per_step} tokens | "
                f"steps {self.step}->{cfg.max_steps} (~{epochs:.2f} epochs)")
         if self.step >= cfg.max_steps:
-            print0(f"train | snapshot is already at step {self.step} >= max_steps {cfg.max_steps}; nothing to do")
+            print0(f"train | snapshot is already at step {self.step} >= max_steps {cfg.max_steps}; nothing to do "
+                   f"(raise trainer_config.max_steps, or use another trainer_config.snapshot_path for a new run)")
             return True
         progress = ProgressLine(cfg.max_steps, enabled=self.ctx.is_main)
         start_step, t_start = self.step, time.perf_counter()

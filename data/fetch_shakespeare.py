@@ -62,7 +62,9 @@ def main() -> int:
     try:
         path = ensure_tinyshakespeare(args.dest, args.source)
     except (FetchError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        hint = "; offline, copy input.txt here by hand or pass --source /path/to/input.txt" \
+            if args.source == URL else ""
+        print(f"error: {e}{hint}", file=sys.stderr)
         return 1
     print(f"tiny Shakespeare ready at {path} ({SIZE:,} bytes, sha256 verified)")
     return 0

@@ -70,7 +70,7 @@ def test_elastic_job_loses_a_node_and_finishes_at_the_smaller_world_size(shakesp
     rest, _ = node0.communicate(timeout=240)
     out = "".join(lines) + rest
     assert node0.returncode == 0, out[-3000:]
-    assert "job | world size 2 | backend gloo | device cpu | restart 1" in out
+    assert "job | world size 2 | backend gloo | device cpu | 1 CPU threads per rank | restart 1" in out
     assert "rank 2 died without a word" in out and "rank 3 died without a word" in out
     assert "saved at world size 4, now 2" in out
     assert "global batch kept at 16 windows = 4 per rank x 2 ranks x 2 accumulation steps" in out

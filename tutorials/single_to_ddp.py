@@ -41,4 +41,5 @@ if rank == 0:                                                                  #
     w, b = (model.module if distributed else model).weight.item(), (model.module if distributed else model).bias.item()
     print(f"world size {world}: y = {w:.3f} x + {b:.3f} (target 3x + 1), last loss {loss.item():.5f}")
 if distributed:
+    dist.barrier()  # leave together: a rank tearing down while a peer still talks to it can abort gloo
     dist.destroy_process_group()                                               # DDP: leave the group
