@@ -21,6 +21,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -30,7 +31,8 @@ from distributed import DistContext
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def check_supported(parallel: str, use_amp: bool, amp_dtype: str, ctx: DistContext) -> None:
+def check_supported(parallel: str, use_amp: bool, amp_dtype: str, ctx: DistContext,
+                    grad_reduce: str = "all_reduce") -> None:
     """Refuse combinations that cannot work here, with the setting to change."""
     if parallel == "none" and ctx.world_size > 1:
         raise ConfigError("trainer_config.parallel=none with several ranks would train diverging copies; "
@@ -40,12 +42,36 @@ def check_supported(parallel: str, use_amp: bool, amp_dtype: str, ctx: DistConte
                           "(--nproc_per_node=1 for one process) or use parallel=ddp")
     if use_amp and amp_dtype == "fp16" and ctx.device.type != "cuda":
         raise ConfigError("trainer_config.amp_dtype=fp16 needs a CUDA device; on CPU use amp_dtype=bf16")
+    if grad_reduce == "via_rank0" and parallel != "ddp":
+        raise ConfigError("trainer_config.grad_reduce=via_rank0 is a DDP communication hook; use parallel=ddp")
     if use_amp and amp_dtype == "fp16" and parallel == "fsdp":
         raise ConfigError("trainer_config.amp_dtype=fp16 with parallel=fsdp is not supported; use amp_dtype=bf16")
 
 
+# No type annotations on the hook: DDP checks them, and `from __future__ import annotations`
+# would turn them into strings. process_group: dist.ProcessGroup | None; bucket: dist.GradBucket.
+def reduce_through_rank0(process_group, bucket):
+    """A DDP communication hook that averages gradients the DataParallel / parameter-server way.
+
+    Every rank sends its gradient bucket to rank 0, which sums them and sends the
+    result back to everyone (reduce, then broadcast), while backward waits. Compared
+    with DDP's default ring all-reduce, rank 0's link carries N-1 times the gradients
+    in and out, and communication no longer overlaps with backward: the teaching
+    baseline that shows why DDP does what it does (benchmarks/bench.py compares them).
+    """
+    group = process_group if process_group is not None else dist.group.WORLD
+    grads = bucket.buffer()  # this bucket's gradients, flattened into one tensor
+    grads.div_(dist.get_world_size(group))  # so that the sum is the mean
+    dist.reduce(grads, dst=0, group=group)
+    dist.broadcast(grads, src=0, group=group)
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(grads)
+    return done
+
+
 def wrap_model(model: nn.Module, parallel: str, ctx: DistContext, use_amp: bool = False, amp_dtype: str = "bf16",
-               reshard_after_forward: bool = True, cpu_offload: bool = False, compile: bool = False) -> nn.Module:
+               reshard_after_forward: bool = True, cpu_offload: bool = False, compile: bool = False,
+               grad_reduce: str = "all_reduce") -> nn.Module:
     """Return the module to call for training: DDP(model), the FSDP-sharded model, or model itself."""
     if compile:
         # Compile block by block, in place (torchtitan's way): every block has the same
@@ -70,7 +96,10 @@ def wrap_model(model: nn.Module, parallel: str, ctx: DistContext, use_amp: bool 
     if parallel == "ddp" and ctx.distributed:
         # DDP registers autograd hooks that all-reduce gradients bucket by bucket
         # while backward is still running, overlapping communication with compute.
-        return DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
+        ddp = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
+        if grad_reduce == "via_rank0":
+            ddp.register_comm_hook(None, reduce_through_rank0)
+        return ddp
     return model
 
 

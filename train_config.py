@@ -77,6 +77,9 @@ class TrainerConfig:
     """Characters generated at each evaluation (0: none)."""
     parallel: str = "ddp"
     """How the model is spread over ranks: ddp (full replicas), fsdp (FSDP2 shards), none (one process)."""
+    grad_reduce: str = "all_reduce"
+    """DDP: all_reduce (ring, overlapped with backward) or via_rank0 (reduce to rank 0 then broadcast,
+    the DataParallel / parameter-server pattern, kept as a baseline to compare against)."""
     fsdp_reshard_after_forward: bool = True
     """FSDP: free gathered parameters after forward (less memory; gathers again in backward)."""
     fsdp_cpu_offload: bool = False
@@ -111,6 +114,8 @@ class TrainerConfig:
                 raise ConfigError(f"trainer_config.{name} must be positive, got {getattr(self, name)}")
         if self.parallel not in ("ddp", "fsdp", "none"):
             raise ConfigError(f"trainer_config.parallel must be ddp, fsdp or none, got {self.parallel!r}")
+        if self.grad_reduce not in ("all_reduce", "via_rank0"):
+            raise ConfigError(f"trainer_config.grad_reduce must be all_reduce or via_rank0, got {self.grad_reduce!r}")
         if self.amp_dtype not in ("bf16", "fp16"):
             raise ConfigError(f"trainer_config.amp_dtype must be bf16 or fp16, got {self.amp_dtype!r}")
         if self.sample_chars < 0 or self.collective_timeout_s <= 0:

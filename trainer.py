@@ -47,11 +47,12 @@ class Trainer:
         self.dataset = dataset
         self.device = ctx.device
         c = trainer_cfg
-        check_supported(c.parallel, c.use_amp, c.amp_dtype, ctx)
+        check_supported(c.parallel, c.use_amp, c.amp_dtype, ctx, c.grad_reduce)
         self.sharded = c.parallel == "fsdp"
         self.raw_model = model.to(self.device)  # the plain module (under FSDP: sharded in place)
         self.model = wrap_model(self.raw_model, c.parallel, ctx, c.use_amp, c.amp_dtype,
-                                c.fsdp_reshard_after_forward, c.fsdp_cpu_offload, c.compile)  # what training calls
+                                c.fsdp_reshard_after_forward, c.fsdp_cpu_offload, c.compile,
+                                c.grad_reduce)  # what training calls
         # Built after wrapping: under FSDP the optimizer must hold the sharded parameters.
         self.optimizer = self.raw_model.configure_optimizer(
             optim_cfg.learning_rate, optim_cfg.weight_decay, (optim_cfg.beta1, optim_cfg.beta2), self.device.type)
@@ -318,7 +319,8 @@ class Trainer:
         tokens_per_step = cfg.batch_size * self.raw_model.config.block_size * W * self.accum_steps
         epochs = cfg.max_steps * tokens_per_step / self.raw_model.config.block_size / len(self.dataset.train)
         precision = f"{cfg.amp_dtype} autocast" if cfg.use_amp else "fp32"
-        print0(f"train | {self.raw_model.num_params() / 1e6:.2f}M parameters | {cfg.parallel} | {precision}"
+        mode = f"{cfg.parallel} (gradients via rank 0)" if cfg.grad_reduce == "via_rank0" else cfg.parallel
+        print0(f"train | {self.raw_model.num_params() / 1e6:.2f}M parameters | {mode} | {precision}"
                f"{' + compile' if cfg.compile else ''} | world size {W} | global batch {cfg.batch_size * W * self.accum_steps} windows = {tokens_per_step} tokens | "
                f"steps {self.step}->{cfg.max_steps} (~{epochs:.2f} epochs)")
         if self.step >= cfg.max_steps:

@@ -6,8 +6,10 @@
 
 Every mode is a real, short training run of main.py (torchrun for the multi-process
 ones) at the same *global* batch, so the rows compare like with like: one process,
-DDP over 2 and 4 processes, DDP with bf16 autocast, FSDP, torch.compile on/off. The
-numbers come from the run's own metrics file:
+DDP over 2 and 4 processes, DDP with bf16 autocast, FSDP, torch.compile on/off, and
+"DataParallel-style": DDP with its gradients averaged through rank 0 (reduce, then
+broadcast, no overlap with backward: trainer_config.grad_reduce=via_rank0), the pattern
+nn.DataParallel and parameter servers use. The numbers come from each run's metrics file:
 
 - ms/step, tokens/s: median over logged windows, leaving out the first (start-up,
   compilation, allocator warm-up). Tokens/s counts all ranks.
@@ -53,7 +55,9 @@ CPU_MODES = [
     ("single process", 1, {"parallel": "none"}),
     ("single + torch.compile", 1, {"parallel": "none", "compile": True}),
     ("single + bf16 autocast", 1, {"parallel": "none", "use_amp": True}),
+    ("DataParallel-style x2 (via rank 0)", 2, {"parallel": "ddp", "grad_reduce": "via_rank0"}),
     ("DDP x2", 2, {"parallel": "ddp"}),
+    ("DataParallel-style x4 (via rank 0)", 4, {"parallel": "ddp", "grad_reduce": "via_rank0"}),
     ("DDP x4", 4, {"parallel": "ddp"}),
     ("DDP x2 + bf16 autocast", 2, {"parallel": "ddp", "use_amp": True}),
     ("FSDP x2", 2, {"parallel": "fsdp"}),
@@ -113,7 +117,7 @@ def free_port() -> int:
 def run_mode(name: str, nproc: int, overrides: dict, recipe: tuple, steps: int, log_every: int, data: str,
              workdir: str) -> dict:
     n_layer, n_head, n_embd, block, global_batch, dropout = recipe
-    run_dir = os.path.join(workdir, name.replace(" ", "_").replace("+", "").replace(".", ""))
+    run_dir = os.path.join(workdir, "".join(c if c.isalnum() else "_" for c in name))
     settings = {
         "data_config.path": data, "data_config.block_size": block,
         "gpt_config.n_layer": n_layer, "gpt_config.n_head": n_head, "gpt_config.n_embd": n_embd,

@@ -112,3 +112,15 @@ def test_tensorboard_switch_writes_event_files_with_the_logged_scalars(shakespea
     events.Reload()
     assert {"train_loss", "val_loss", "tokens_per_sec", "snapshot/stall_ms"} <= set(events.Tags()["scalars"])
     assert [e.step for e in events.Scalars("train_loss")] == [5, 10]
+
+
+def test_dataparallel_style_reduction_through_rank0_trains_like_the_ring_all_reduce(shakespeare, tmp_path):
+    losses = {}
+    for reduce in ("all_reduce", "via_rank0"):
+        result = run_main(tiny_overrides(shakespeare, tmp_path / reduce, max_steps=10, log_every=1, eval_every=10,
+                                         grad_reduce=reduce), nproc=2)
+        assert result.returncode == 0, result.stderr[-3000:]
+        losses[reduce] = [r["train_loss"] for r in MetricsLog.read(str(tmp_path / reduce / "metrics.jsonl"))]
+    assert "ddp (gradients via rank 0)" in result.stdout
+    assert losses["all_reduce"] == pytest.approx(losses["via_rank0"], abs=1e-4)  # same mean gradient, other route
+    assert losses["via_rank0"][-1] < losses["via_rank0"][0]
