@@ -70,7 +70,9 @@ def plot_benchmark(rows: list[dict], out: str, title: str) -> str:
     bars = ax.barh(names, values, color="C0")
     for bar, r in zip(bars, rows[::-1]):
         ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
-                f" {r['ms_per_step']:.1f} ms/step, MFU {100 * r['mfu']:.0f}%", va="center", fontsize=8)
+                f" {r['ms_per_step']:.1f} ms/step, MFU {100 * r['mfu']:.0f}%"
+                + ("" if r.get("precision", "fp32") == "fp32" else f" of {r['precision']} peak"),
+                va="center", fontsize=8)
     ax.set(xlabel="thousand tokens/s (higher is better)", title=title)
     ax.set_xlim(0, max(values) * 1.45)
     ax.grid(axis="x", alpha=0.3)

@@ -142,7 +142,8 @@ def run_mode(name: str, nproc: int, overrides: dict, recipe: tuple, steps: int, 
     steady = windows[1:] or windows
     ms = statistics.median(w["ms_per_step"] for w in steady)
     data_ms = statistics.median(w["data_ms"] for w in steady)
-    row = {"mode": name, "processes": nproc, "ms_per_step": round(ms, 2),
+    row = {"mode": name, "processes": nproc, "precision": "bf16" if overrides.get("use_amp") else "fp32",
+           "ms_per_step": round(ms, 2),
            "tokens_per_sec": round(global_batch * block / ms * 1e3, 1), "data_pct": round(100 * data_ms / ms, 2),
            "first_window_extra_s": round((windows[0]["ms_per_step"] - ms) * log_every / 1e3, 2),
            "wall_s": round(wall, 1), "final_loss": windows[-1]["train_loss"]}
@@ -160,8 +161,9 @@ def markdown_table(rows: list[dict]) -> str:
     for r in rows:
         snap = (f"{r['snapshot_blocked_ms']:.0f} ms / {r['snapshot_cost_steps']:.2f} steps"
                 if "snapshot_blocked_ms" in r else "-")
+        peak = "" if r["precision"] == "fp32" else f" of {r['precision']} peak"
         lines.append(f"| {r['mode']} | {r['ms_per_step']:.1f} | {r['tokens_per_sec'] / 1e3:.1f}k | "
-                     f"{100 * r['mfu']:.1f}% | {r['data_pct']:.2f} | {snap} | {r['first_window_extra_s']:.1f} s |")
+                     f"{100 * r['mfu']:.1f}%{peak} | {r['data_pct']:.2f} | {snap} | {r['first_window_extra_s']:.1f} s |")
     return "\n".join(lines)
 
 
@@ -201,8 +203,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-") as workdir:
         for name, nproc, overrides in modes:
             row = run_mode(name, nproc, overrides, recipe, steps, log_every, args.data, workdir)
-            row["mfu"] = round(row["tokens_per_sec"] * fpt / (peaks["bf16" if overrides.get("use_amp") else "fp32"]
-                                                             * 1e9), 4)
+            row["mfu"] = round(row["tokens_per_sec"] * fpt / (peaks[row["precision"]] * 1e9), 4)
             rows.append(row)
             print(f"bench | {name} | {row['ms_per_step']:.1f} ms/step | {row['tokens_per_sec'] / 1e3:.1f}k tok/s | "
                   f"MFU {100 * row['mfu']:.1f}% | data {row['data_pct']:.2f}%", flush=True)
