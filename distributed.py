@@ -102,9 +102,10 @@ def set_cpu_threads(ctx: DistContext, requested: int = 0) -> int:
     the cores this process may run on. On GPU jobs the CPU only feeds the GPU, and
     the setting is left alone.
     """
-    if ctx.device.type != "cpu":
-        return torch.get_num_threads()
-    threads = requested or max(1, len(os.sched_getaffinity(0)) // ctx.local_world_size)
+    if ctx.device.type != "cpu" or (requested == 0 and ctx.local_world_size == 1):
+        return torch.get_num_threads()  # GPU job, or alone on the node: torch's own default is right
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = requested or max(1, cores // ctx.local_world_size)
     torch.set_num_threads(threads)
     return threads
 

@@ -14,7 +14,6 @@ import json
 import os
 import sys
 
-from config import ConfigError
 
 
 def format_duration(seconds: float) -> str:
@@ -31,13 +30,10 @@ class MetricsLog:
         self.path = path
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self.tensorboard = None
-        if tensorboard_dir:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise ConfigError("trainer_config.tensorboard_dir needs the tensorboard package: "
-                                  "pip install -e \".[tensorboard]\" (or set it to \"\")") from None
+        self.tensorboard_dir, self.tensorboard = tensorboard_dir, None
+        if tensorboard_dir:  # TrainerConfig checked that the package is installed
+            from torch.utils.tensorboard import SummaryWriter
+
             self.tensorboard = SummaryWriter(tensorboard_dir)
 
     def write(self, record: dict) -> None:
@@ -54,6 +50,11 @@ class MetricsLog:
 
     def truncate_after(self, step: int) -> None:
         """Drop records past `step` (written before a crash, about to be redone)."""
+        if self.tensorboard is not None:  # TensorBoard hides its events past purge_step the same way
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard.close()
+            self.tensorboard = SummaryWriter(self.tensorboard_dir, purge_step=step + 1)
         if not self.path or not os.path.exists(self.path):
             return
         kept = []
@@ -72,8 +73,13 @@ class MetricsLog:
     @staticmethod
     def read(path: str, event: str = "") -> list[dict]:
         """The logged-step records; or, with event="snapshot", the records of that event."""
+        records = []
         with open(path, encoding="utf-8") as f:
-            records = [json.loads(line) for line in f if line.strip()]
+            for line in f:
+                try:
+                    records.append(json.loads(line))
+                except ValueError:
+                    continue  # blank, or a last line still being written (or cut short by a crash)
         return [r for r in records if r.get("event", "") == event]
 
 

@@ -53,17 +53,28 @@ def check_supported(parallel: str, use_amp: bool, amp_dtype: str, ctx: DistConte
 def reduce_through_rank0(process_group, bucket):
     """A DDP communication hook that averages gradients the DataParallel / parameter-server way.
 
-    Every rank sends its gradient bucket to rank 0, which sums them and sends the
-    result back to everyone (reduce, then broadcast), while backward waits. Compared
-    with DDP's default ring all-reduce, rank 0's link carries N-1 times the gradients
-    in and out, and communication no longer overlaps with backward: the teaching
-    baseline that shows why DDP does what it does (benchmarks/bench.py compares them).
+    Every rank sends its gradient bucket to rank 0; rank 0 adds them up, divides, and
+    sends the mean back to each rank, one message at a time, while backward waits.
+    Rank 0's link carries (N-1) x the gradients in and (N-1) x out, where DDP's ring
+    all-reduce moves 2(N-1)/N x through every link and overlaps with backward: the
+    teaching baseline that shows why DDP does what it does (benchmarks/bench.py).
+    Plain send/recv, not dist.reduce/broadcast, whose backends use rings and trees.
     """
-    group = process_group if process_group is not None else dist.group.WORLD
+    if process_group is not None:
+        raise ValueError("reduce_through_rank0 works on the default process group only")
     grads = bucket.buffer()  # this bucket's gradients, flattened into one tensor
-    grads.div_(dist.get_world_size(group))  # so that the sum is the mean
-    dist.reduce(grads, dst=0, group=group)
-    dist.broadcast(grads, src=0, group=group)
+    world = dist.get_world_size()
+    if dist.get_rank() == 0:
+        incoming = torch.empty_like(grads)
+        for src in range(1, world):
+            dist.recv(incoming, src=src)
+            grads += incoming
+        grads /= world
+        for dst in range(1, world):
+            dist.send(grads, dst=dst)
+    else:
+        dist.send(grads, dst=0)
+        dist.recv(grads, src=0)  # the mean, from rank 0
     done: torch.futures.Future = torch.futures.Future()
     done.set_result(grads)
     return done

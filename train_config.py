@@ -120,5 +120,11 @@ class TrainerConfig:
             raise ConfigError(f"trainer_config.amp_dtype must be bf16 or fp16, got {self.amp_dtype!r}")
         if self.sample_chars < 0 or self.collective_timeout_s <= 0:
             raise ConfigError("trainer_config: sample_chars must be >= 0 and collective_timeout_s > 0")
+        if self.tensorboard_dir:
+            try:
+                import tensorboard  # noqa: F401
+            except ImportError:
+                raise ConfigError("trainer_config.tensorboard_dir needs the tensorboard package: "
+                                  "pip install -e \".[tensorboard]\" (or leave it empty)") from None
         if self.cpu_threads < 0 or self.target_val_loss < 0:
             raise ConfigError("trainer_config: cpu_threads and target_val_loss must be >= 0 (0: automatic / off)")

@@ -65,6 +65,7 @@ class Trainer:
         self.sampler = ResumableDistributedSampler(dataset.train, ctx.world_size, ctx.rank, trainer_cfg.seed)
         self.step, self.epoch, self.samples_consumed = 0, 0, 0
         self.data_seconds = 0.0  # time spent preparing batches since the last log line
+        self.last_val_loss: float | None = None  # of the latest evaluation; saved, so a rerun knows a target was met
         self.accum_steps = trainer_cfg.grad_accum_steps  # may change on resume at another world size
         self._local_key: tuple[int, int] | None = None  # (epoch, start) of the cached index shard
         # Each rank gets its own random stream (dropout must differ across ranks'
@@ -94,6 +95,7 @@ class Trainer:
         return {
             "format_version": 2,
             "step": self.step, "epoch": self.epoch, "samples_consumed": self.samples_consumed,
+            "val_loss": self.last_val_loss,
             "world_size": self.ctx.world_size,
             "global_batch": self.cfg.batch_size * self.ctx.world_size * self.accum_steps,
             "scaler": self.scaler.state_dict(),  # fp16 loss scale and its growth tracker
@@ -134,6 +136,7 @@ class Trainer:
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.step, self.epoch, self.samples_consumed = state["step"], state["epoch"], state["samples_consumed"]
+        self.last_val_loss = state.get("val_loss")
         self._local_key = None
         if state["world_size"] == self.ctx.world_size:
             # Same world size: every rank continues its own random stream exactly.
@@ -323,6 +326,10 @@ class Trainer:
         print0(f"train | {self.raw_model.num_params() / 1e6:.2f}M parameters | {mode} | {precision}"
                f"{' + compile' if cfg.compile else ''} | world size {W} | global batch {cfg.batch_size * W * self.accum_steps} windows = {tokens_per_step} tokens | "
                f"steps {self.step}->{cfg.max_steps} (~{epochs:.2f} epochs)")
+        if cfg.target_val_loss and self.last_val_loss is not None and self.last_val_loss <= cfg.target_val_loss:
+            print0(f"train | snapshot's val loss {self.last_val_loss:.4f} already meets trainer_config.target_val_loss "
+                   f"{cfg.target_val_loss}; nothing to do")
+            return True
         if self.step >= cfg.max_steps:
             print0(f"train | snapshot is already at step {self.step} >= max_steps {cfg.max_steps}; nothing to do "
                    f"(raise trainer_config.max_steps, or use another trainer_config.snapshot_path for a new run)")
@@ -351,7 +358,7 @@ class Trainer:
                        f"lr {record['lr']:.2e} | {record['tokens_per_sec'] / 1e3:.1f}k tok/s | "
                        f"{record['ms_per_step']:.1f} ms/step | ETA {format_duration(eta)}")
                 if is_eval:
-                    record["val_loss"] = round(self.evaluate(), 6)
+                    record["val_loss"] = self.last_val_loss = round(self.evaluate(), 6)
                     line = f"eval | step {step} | val loss {record['val_loss']:.4f}"
                     # Under FSDP every rank must take part in each forward (they all-gather
                     # parameters), so all ranks generate the same sample; rank 0 prints it.

@@ -7,16 +7,17 @@
 Every mode is a real, short training run of main.py (torchrun for the multi-process
 ones) at the same *global* batch, so the rows compare like with like: one process,
 DDP over 2 and 4 processes, DDP with bf16 autocast, FSDP, torch.compile on/off, and
-"DataParallel-style": DDP with its gradients averaged through rank 0 (reduce, then
-broadcast, no overlap with backward: trainer_config.grad_reduce=via_rank0), the pattern
-nn.DataParallel and parameter servers use. The numbers come from each run's metrics file:
+"DataParallel-style": DDP with its gradients averaged through rank 0 (every rank sends
+to rank 0, which sends the mean back; no overlap with backward:
+trainer_config.grad_reduce=via_rank0), the pattern nn.DataParallel and parameter servers use. The numbers come from each run's metrics file:
 
 - ms/step, tokens/s: median over logged windows, leaving out the first (start-up,
   compilation, allocator warm-up). Tokens/s counts all ranks.
 - MFU (model FLOPs utilisation): model FLOPs per token (6N + attention, from the
   config) x tokens/s / the device's peak, measured here with a large matmul in the
   same precision (or given with --peak-gflops).
-- data %: time in the batch path (index -> tensor -> device) / step time.
+- data %: host time in the batch path (index -> tensor -> device copy queued) / step time;
+  on a GPU the host runs ahead of the device, so there it bounds the input cost, not a stall.
 - snapshot: one asynchronous save mid-run. "blocked" is the time the loop spent in
   the save call; "cost" is how much longer the window containing it took than the
   median window (it includes the background write competing for the CPU), in steps.
@@ -81,7 +82,7 @@ def hardware() -> dict:
             elif line.startswith("flags"):
                 flags = set(line.split(":", 1)[1].split())
     extras = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return {"device": f"{model} ({', '.join(extras) or 'no AVX-512'})", "cores": len(os.sched_getaffinity(0)),
+    return {"device": f"{model} ({', '.join(extras) or 'no AVX-512'})", "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
             "torch": torch.__version__}
 
 
@@ -189,6 +190,11 @@ def main() -> int:
         wanted = [m.strip() for m in args.modes.split(",")]
         modes = [m for m in modes if any(w in m[0] for w in wanted)]
 
+    if not modes:
+        sys.exit(f"error: --modes {args.modes!r} matches none of: {', '.join(m[0] for m in CPU_MODES + GPU_MODES)}")
+    if steps < 3 * log_every:
+        sys.exit(f"error: --steps must be at least 3 x --log-every ({3 * log_every}): the first window (start-up, "
+                 "compilation) is left out, and the snapshot needs a window of its own")
     hw = hardware()
     size = 512 if args.smoke else 4096 if torch.cuda.is_available() else 2048
     peaks = {"fp32": args.peak_gflops or peak_gflops(torch.float32, size),

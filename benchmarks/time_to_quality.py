@@ -7,8 +7,10 @@
 The clock runs from launching the command to its exit: start-up, data encoding,
 evaluations and the final snapshot all count, as they do for whoever waits for the
 model. The run stops at the first evaluation at or below the target
-(trainer_config.target_val_loss). Every evaluation uses the same 240 validation
-windows as nanoGPT's (eval_iters 20 x batch 12), evenly spaced over the split.
+(trainer_config.target_val_loss). Each evaluation averages 240 validation windows,
+as many as nanoGPT's (eval_iters 20 x batch 12), but fixed and evenly spaced over the
+split where nanoGPT draws new random ones each time. The recipes evaluate every 50
+steps (nanoGPT: every 250), which also decides how soon a run can notice the target.
 """
 
 from __future__ import annotations

@@ -37,7 +37,9 @@ def worker(local_rank: int, nproc: int, port: int, overrides: list[str]) -> None
 
     # What Hydra does for main.py: the YAML, then the command-line overrides.
     cfg = OmegaConf.merge(OmegaConf.load(os.path.join(REPO, "gpt2_train_cfg.yaml")), OmegaConf.from_dotlist(overrides))
-    raw = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k in main.SCHEMA}
+    # Hydra's own sections are not training config; anything else goes to main.run(), which
+    # rejects unknown sections and keys (a typo is an error here too, not silently ignored).
+    raw = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in ("hydra", "defaults")}
     code = main.run(raw)
     main.exit_process(code)  # a non-zero exit makes mp.spawn raise in the parent
 
@@ -53,8 +55,8 @@ def main() -> int:
     try:
         # join=True: wait for all children; if one fails, the others are terminated and this raises.
         mp.spawn(worker, args=(args.nproc, port, args.overrides), nprocs=args.nproc, join=True)
-    except mp.ProcessExitedException as e:
-        print(f"error: rank {e.error_index} exited with code {e.exit_code}; see its message above", file=sys.stderr)
+    except mp.ProcessException as e:  # a child exited non-zero, or raised
+        print(f"error: rank {e.error_index} failed; see its message above", file=sys.stderr)
         return 1
     return 0
 
