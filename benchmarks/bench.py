@@ -30,14 +30,14 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from common import REPO, main_command
+
 sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
@@ -109,12 +109,6 @@ def flops_per_token(n_layer: int, n_embd: int, block_size: int, vocab: int) -> f
     return 6 * n_params + 12 * n_layer * n_embd * block_size
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_mode(name: str, nproc: int, overrides: dict, recipe: tuple, steps: int, log_every: int, data: str,
              workdir: str) -> dict:
     n_layer, n_head, n_embd, block, global_batch, dropout = recipe
@@ -130,11 +124,8 @@ def run_mode(name: str, nproc: int, overrides: dict, recipe: tuple, steps: int, 
         **{f"trainer_config.{k}": v for k, v in overrides.items()},
     }
     args = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in settings.items()]
-    launcher = [sys.executable] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    env = {**os.environ, "MASTER_PORT": str(free_port())}
     t0 = time.perf_counter()
-    result = subprocess.run([*launcher, os.path.join(REPO, "main.py"), *args], capture_output=True, text=True, env=env)
+    result = subprocess.run(main_command(nproc, args), capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if result.returncode != 0:
         raise SystemExit(f"error: mode {name!r} failed (exit {result.returncode}):\n{result.stderr[-2000:]}")

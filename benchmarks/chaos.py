@@ -18,20 +18,13 @@ import os
 import random
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from common import REPO, free_port, main_command
 
 
 def worker_with_rank(parent: int, rank: int) -> int | None:
@@ -57,9 +50,8 @@ def trial(i: int, rng: random.Random, args, run_dir: str) -> dict:
                  "trainer_config.log_every=1", "trainer_config.eval_every=100000", "trainer_config.sample_chars=0",
                  "trainer_config.eval_iters=1", f"trainer_config.snapshot_path={run_dir}/snapshots",
                  f"trainer_config.metrics_path={run_dir}/metrics.jsonl"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           "--max-restarts=3", "--monitor-interval=0.5", "--master_port", str(free_port()),
-           os.path.join(REPO, "main.py"), *overrides]
+    cmd = main_command(args.nproc, overrides,
+                       ("--max-restarts=3", "--monitor-interval=0.5", "--master_port", str(free_port())))
     job = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
     killed_at, last_step_before, recovered_at, resumed_from, finished_step = None, 0, None, None, None

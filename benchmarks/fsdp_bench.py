@@ -13,13 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from common import REPO, free_port
+
 sys.path.insert(0, REPO)
 
 # (name, world size, parallel, use_amp, model shape, steps): memory rows use a ~25M model.
@@ -88,11 +88,8 @@ def driver(args) -> int:
     rows = []
     for name, world, parallel, amp, shape, steps in (SMOKE if args.smoke else FULL):
         with tempfile.TemporaryDirectory() as tmp:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-                   "--master_port", str(port), os.path.abspath(__file__), "--worker", "--data", args.data,
+                   "--master_port", str(free_port()), os.path.abspath(__file__), "--worker", "--data", args.data,
                    "--parallel", parallel, "--shape", json.dumps(shape), "--steps", str(steps),
                    "--snapshots", os.path.join(tmp, "snaps")] + (["--amp"] if amp else [])
             out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(

@@ -24,7 +24,9 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import REPO, free_port
+
+sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
 
@@ -42,9 +44,7 @@ MODELS = {  # name: (n_layer, n_head, n_embd)
 
 
 def start_moto() -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen(["moto_server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(300):

@@ -23,7 +23,8 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from common import REPO, main_command
+
 sys.path.insert(0, REPO)
 
 from metrics import MetricsLog  # noqa: E402
@@ -67,9 +68,7 @@ def main() -> int:
                           "trainer_config.parallel": "none" if args.nproc == 1 else "ddp",
                           "trainer_config.snapshot_path": f"{run_dir}/snapshots",
                           "trainer_config.metrics_path": f"{run_dir}/metrics.jsonl"})
-        launcher = [sys.executable] if args.nproc == 1 else [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
-        command = [*launcher, os.path.join(REPO, "main.py"), *(f"{k}={v}" for k, v in overrides.items())]
+        command = main_command(args.nproc, [f"{k}={v}" for k, v in overrides.items()])
         t0 = time.perf_counter()
         result = subprocess.run(command, capture_output=True, text=True)
         wall = time.perf_counter() - t0
