@@ -43,6 +43,7 @@ sys.path.insert(0, REPO)
 import torch  # noqa: E402
 
 from metrics import MetricsLog  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
 
 # name: (n_layer, n_head, n_embd, block_size, global batch, dropout); the first is nanoGPT's CPU recipe.
 RECIPES = {
@@ -103,10 +104,14 @@ def peak_gflops(dtype: torch.dtype, n: int) -> float:
     return 2 * n**3 / best / 1e9
 
 
-def flops_per_token(n_layer: int, n_embd: int, block_size: int, vocab: int) -> float:
-    """6 x parameters (matmul forward + backward) + attention's 12 x L x C x T, as model.GPT.flops_per_token."""
-    n_params = n_layer * 12 * n_embd**2 + vocab * n_embd  # blocks + the (tied) head; biases and norms are noise
-    return 6 * n_params + 12 * n_layer * n_embd * block_size
+def flops_per_token(recipe: tuple, vocab: int) -> int:
+    """The model's own count (model.GPT.flops_per_token: 6N + attention), from a GPT built on the
+    meta device: shapes only, no memory, no initialisation cost, even for GPT-2 sizes."""
+    n_layer, n_head, n_embd, block_size = recipe[:4]
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, bias=False, vocab_size=vocab,
+                              block_size=block_size))
+    return model.flops_per_token()
 
 
 def run_mode(name: str, nproc: int, overrides: dict, recipe: tuple, steps: int, log_every: int, data: str,
@@ -191,7 +196,7 @@ def main() -> int:
     peaks = {"fp32": args.peak_gflops or peak_gflops(torch.float32, size),
              "bf16": args.peak_gflops or peak_gflops(torch.bfloat16, size)}
     vocab = len(set(open(args.data, encoding="utf-8").read()))
-    fpt = flops_per_token(recipe[0], recipe[2], recipe[3], vocab)
+    fpt = flops_per_token(recipe, vocab)
     print(f"bench | {hw['device']} | {hw.get('cores', hw.get('gpus'))} {'cores' if 'cores' in hw else 'GPUs'} | "
           f"torch {hw['torch']} | matmul peak fp32 {peaks['fp32']:.0f} / bf16 {peaks['bf16']:.0f} GFLOP/s")
     print(f"bench | recipe {recipe_name}: {recipe[0]} layers x {recipe[1]} heads x {recipe[2]} wide, "
