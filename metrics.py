@@ -15,7 +15,6 @@ import os
 import sys
 
 
-
 def format_duration(seconds: float) -> str:
     seconds = int(round(seconds))
     if seconds >= 3600:
@@ -30,17 +29,17 @@ class MetricsLog:
         self.path = path
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        # Opened on first use: the trainer's resume() always cuts the history back first
+        # (truncate_after), which opens the writer with the right purge step.
         self.tensorboard_dir, self.tensorboard = tensorboard_dir, None
-        if tensorboard_dir:  # TrainerConfig checked that the package is installed
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tensorboard = SummaryWriter(tensorboard_dir)
 
     def write(self, record: dict) -> None:
         if self.path:
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
-        if self.tensorboard is not None:
+        if self.tensorboard_dir:
+            if self.tensorboard is None:
+                self._open_tensorboard()
             # One chart per number (train_loss, val_loss, lr, tokens_per_sec...), x axis = step.
             prefix = f"{record['event']}/" if "event" in record else ""
             for key, value in record.items():
@@ -50,11 +49,8 @@ class MetricsLog:
 
     def truncate_after(self, step: int) -> None:
         """Drop records past `step` (written before a crash, about to be redone)."""
-        if self.tensorboard is not None:  # TensorBoard hides its events past purge_step the same way
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tensorboard.close()
-            self.tensorboard = SummaryWriter(self.tensorboard_dir, purge_step=step + 1)
+        if self.tensorboard_dir:  # TensorBoard hides its events past purge_step the same way
+            self._open_tensorboard(purge_step=step + 1)
         if not self.path or not os.path.exists(self.path):
             return
         kept = []
@@ -69,6 +65,13 @@ class MetricsLog:
         with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(kept)
         os.replace(tmp, self.path)
+
+    def _open_tensorboard(self, purge_step: int | None = None) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # TrainerConfig checked that it is installed
+
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        self.tensorboard = SummaryWriter(self.tensorboard_dir, purge_step=purge_step)
 
     @staticmethod
     def read(path: str, event: str = "") -> list[dict]:

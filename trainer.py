@@ -285,6 +285,11 @@ class Trainer:
         self.step += 1
         return loss_sum / n_micro
 
+    def _target_reached(self) -> bool:
+        """The latest evaluation (this run's, or the snapshot's) met trainer_config.target_val_loss."""
+        target = self.cfg.target_val_loss
+        return bool(target) and self.last_val_loss is not None and self.last_val_loss <= target
+
     def _grad_norm_value(self) -> float:
         norm = self.grad_norm
         return float((norm.full_tensor() if isinstance(norm, DTensor) else norm).item())
@@ -324,9 +329,10 @@ class Trainer:
         precision = f"{cfg.amp_dtype} autocast" if cfg.use_amp else "fp32"
         mode = f"{cfg.parallel} (gradients via rank 0)" if cfg.grad_reduce == "via_rank0" else cfg.parallel
         print0(f"train | {self.raw_model.num_params() / 1e6:.2f}M parameters | {mode} | {precision}"
-               f"{' + compile' if cfg.compile else ''} | world size {W} | global batch {cfg.batch_size * W * self.accum_steps} windows = {tokens_per_step} tokens | "
+               f"{' + compile' if cfg.compile else ''} | world size {W} | "
+               f"global batch {cfg.batch_size * W * self.accum_steps} windows = {tokens_per_step} tokens | "
                f"steps {self.step}->{cfg.max_steps} (~{epochs:.2f} epochs)")
-        if cfg.target_val_loss and self.last_val_loss is not None and self.last_val_loss <= cfg.target_val_loss:
+        if self._target_reached():
             print0(f"train | snapshot's val loss {self.last_val_loss:.4f} already meets trainer_config.target_val_loss "
                    f"{cfg.target_val_loss}; nothing to do")
             return True
@@ -366,7 +372,7 @@ class Trainer:
                         record["sample"] = self._sample()
                         line += f" | sample: {record['sample']!r}"
                     print0(line)
-                    if record["val_loss"] <= cfg.target_val_loss:
+                    if self._target_reached():
                         print0(f"target | val loss {record['val_loss']:.4f} <= trainer_config.target_val_loss "
                                f"{cfg.target_val_loss} at step {step} | stopping")
                         last = True  # every rank evaluated the same all-reduced loss: they all stop here
