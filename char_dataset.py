@@ -1,30 +1,34 @@
-"""Character-level data: read a UTF-8 corpus, build its vocabulary, cut it into windows.
+"""Character-level data: the prepared token file, its vocabulary, and the windows training reads.
 
-The whole corpus is encoded once into one compact integer tensor. A training
-sample is the window starting at position i: x = data[i : i+T], y = data[i+1 : i+T+1]
-(y is x shifted by one: every position predicts the next character). Batches are
-gathered straight from that tensor with one indexing op, so the hot loop does no
-per-sample Python work.
+prepare.py encodes the corpus once into a file of token ids; this module opens that
+file and cuts it into windows. A training sample is the window starting at position
+i: x = ids[i : i+T], y = ids[i+1 : i+T+1] (y is x shifted by one: every position
+predicts the next character). A batch reads its B windows straight from the file
+(TokenFile.gather), so a rank holds one batch of ids, never the corpus: its memory
+does not grow with the corpus, and the OS page cache keeps one copy of the file for
+all the ranks of a node.
 
-The first `train_split` of the text is the training region and the rest the
+The first `train_split` of the ids is the training region and the rest the
 validation region; windows never cross the boundary, so no validation window
-overlaps training text.
+overlaps training text. Every position is an integer computed in integer
+arithmetic: float32 cannot even count past 2^24.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
-from typing import ClassVar
+from fractions import Fraction
+from typing import Callable, ClassVar
 
-import fsspec
 import torch
-from torch.utils.data import Dataset
 
 from config import ConfigError
+from prepare import DEFAULT_CACHE_DIR, Prepared, ensure_prepared
+from sources import DatasetError
 
-
-class DatasetError(ValueError):
-    """The corpus cannot be used as configured; the message says what to change."""
+__all__ = ["CharDataset", "CharTokenizer", "DataConfig", "DatasetError", "TokenFile", "TokenWindows"]
 
 
 @dataclass
@@ -34,11 +38,15 @@ class DataConfig:
     section: ClassVar[str] = "data_config"
 
     path: str = "data/tinyshakespeare/input.txt"
-    """UTF-8 text: a local path (relative to where you launch) or any fsspec URL."""
+    """UTF-8 text: a local path (relative to where you launch), an s3:// or fsspec URL, a glob of
+    several files ('books/*.txt', concatenated in name order), or a directory prepare.py made."""
     block_size: int = 64
     """Context length T: characters the model sees at once."""
     train_split: float = 0.9
     """Fraction of the text (from the start) used for training; the rest is validation."""
+    cache_dir: str = DEFAULT_CACHE_DIR
+    """Where prepared token files go (one subdirectory per source): local disk, or a filesystem the
+    nodes share so that the corpus is prepared once for the whole job."""
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -47,6 +55,8 @@ class DataConfig:
             raise ConfigError(f"data_config.block_size must be positive, got {self.block_size}")
         if not 0.0 < self.train_split < 1.0:
             raise ConfigError(f"data_config.train_split must be in (0, 1), got {self.train_split}")
+        if not self.cache_dir:
+            raise ConfigError("data_config.cache_dir must name a directory for prepared token files")
 
 
 class CharTokenizer:
@@ -72,85 +82,118 @@ class CharTokenizer:
         return "".join(self.chars[i] for i in ids)
 
 
-class TokenWindows(Dataset):
-    """All windows of length block_size (+1 for the target) in one region of the encoded text."""
+class TokenFile:
+    """A prepared token file, read by position with pread: nothing of it is held in memory.
 
-    def __init__(self, data: torch.Tensor, block_size: int):
-        self.data = data  # (N,) compact integer ids
-        self.block_size = block_size
-        self.offsets = torch.arange(block_size + 1)  # (T+1,)
+    Why not a memory map (np.memmap, as nanoGPT does)? Reading random windows through
+    one makes the kernel map the cached pages around each one into the process, so a
+    rank's resident memory climbs towards the corpus size as training goes on (measured
+    in benchmarks/data_scale.py). pread copies just the window's bytes, and the page
+    cache under it is the same shared one.
+    """
+
+    def __init__(self, path: str, dtype: torch.dtype, num_tokens: int):
+        if sys.byteorder != "little" and dtype != torch.uint8:
+            raise DatasetError("prepared token files are little-endian; this machine is big-endian")
+        self.path, self.dtype, self.num_tokens = path, dtype, num_tokens
+        self.fd = os.open(path, os.O_RDONLY)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)  # windows come in random order: no readahead
 
     def __len__(self) -> int:
-        return len(self.data) - self.block_size
+        return self.num_tokens
+
+    def __del__(self) -> None:
+        if getattr(self, "fd", None) is not None:
+            os.close(self.fd)
+
+    def gather(self, starts: list[int], length: int) -> torch.Tensor:
+        """(len(starts), length) ids: row i holds positions starts[i] .. starts[i]+length-1."""
+        size = self.dtype.itemsize
+        row = length * size
+        buf = bytearray(row * len(starts))
+        view = memoryview(buf)
+        for i, start in enumerate(starts):
+            if start < 0 or start + length > self.num_tokens:
+                raise IndexError(f"window [{start}, {start + length}) is outside the {self.num_tokens} ids")
+            if os.preadv(self.fd, [view[i * row:(i + 1) * row]], start * size) != row:
+                raise DatasetError(f"{self.path} is shorter than its meta.json says; prepare it again")
+        return torch.frombuffer(buf, dtype=self.dtype).view(len(starts), length) if buf else \
+            torch.zeros(len(starts), length, dtype=self.dtype)
+
+    def read(self, start: int, length: int) -> torch.Tensor:
+        """(length,) ids from position start."""
+        return self.gather([start], length)[0]
+
+
+class TokenWindows:
+    """All windows of length block_size (+1 for the target) in the region [begin, end) of a token file."""
+
+    def __init__(self, tokens: TokenFile, begin: int, end: int, block_size: int):
+        self.tokens, self.begin, self.end, self.block_size = tokens, begin, end, block_size
+
+    def __len__(self) -> int:
+        return self.end - self.begin - self.block_size
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        chunk = self.data[i : i + self.block_size + 1].long()
-        return chunk[:-1], chunk[1:]
+        x, y = self.batch(torch.tensor([i]))
+        return x[0], y[0]
 
     def batch(self, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gather the windows that start at `starts` (B,) in one op: returns x, y of shape (B, T)."""
-        chunk = self.data[starts[:, None] + self.offsets].long()  # (B, 1) + (T+1,) -> (B, T+1)
+        """The windows that start at `starts` (B,), as x, y of shape (B, T), int64."""
+        if len(starts) and (int(starts.min()) < 0 or int(starts.max()) >= len(self)):
+            raise IndexError(f"window starts must be in [0, {len(self)})")
+        chunk = self.tokens.gather([self.begin + s for s in starts.tolist()], self.block_size + 1).long()  # (B, T+1)
         return chunk[:, :-1], chunk[:, 1:]
 
+    def evenly_spaced(self, count: int) -> torch.Tensor:
+        """`count` window starts from the first window to the last, evenly spaced, in integer
+        arithmetic: (count,) int64. (A float32 linspace rounds starts above 2^24 past the end.)"""
+        if count == 1:
+            return torch.zeros(1, dtype=torch.int64)
+        return torch.arange(count, dtype=torch.int64) * (len(self) - 1) // (count - 1)
 
-def read_text(path: str) -> str:
-    """Read a whole UTF-8 file from a local path or fsspec URL, with one-line errors."""
-    try:
-        with fsspec.open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        raise DatasetError(
-            f"data_config.path: no file at {path!r}; set data_config.path=<your UTF-8 text> "
-            "or fetch tiny Shakespeare with: python data/fetch_shakespeare.py"
-        ) from None
-    except (OSError, ValueError, ImportError) as e:
-        raise DatasetError(f"data_config.path: cannot read {path!r}: {e}") from None
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DatasetError(
-            f"data_config.path: {path!r} is not UTF-8 text (undecodable byte at offset {e.start}); "
-            "convert it to UTF-8 first"
-        ) from None
+
+def split_point(num_tokens: int, train_split: float) -> int:
+    """How many ids the training region gets: floor(num_tokens * train_split), computed exactly
+    (train_split read as the decimal the user wrote, e.g. 0.9 = 9/10, not its binary approximation)."""
+    fraction = Fraction(str(train_split))
+    return num_tokens * fraction.numerator // fraction.denominator
 
 
 class CharDataset:
-    """A corpus encoded to ids, with its tokenizer and its train/validation windows."""
+    """A prepared corpus: its tokenizer and its train/validation windows."""
 
-    def __init__(self, cfg: DataConfig, text: str | None = None):
+    def __init__(self, cfg: DataConfig, s3_endpoint_url: str = "", log: Callable[[str], None] = print):
         self.config = cfg
-        text = read_text(cfg.path) if text is None else text
-        T = cfg.block_size
-        if len(text) < T + 1:
+        self.prepared: Prepared = ensure_prepared(cfg.path, cfg.cache_dir, s3_endpoint_url, log)
+        meta = self.prepared.meta
+        self.tokenizer = CharTokenizer(meta["vocab"])
+        self.tokens = TokenFile(self.prepared.tokens_path, self.prepared.dtype, meta["num_tokens"])
+        T, n = cfg.block_size, meta["num_tokens"]
+        if n < T + 1:
             raise DatasetError(
-                f"data_config.path: the text has {len(text)} characters, fewer than block_size + 1 = {T + 1}; "
+                f"data_config.path: the text has {n} characters, fewer than block_size + 1 = {T + 1}; "
                 "use a longer text or a smaller data_config.block_size"
             )
-        # Vocabulary and encoding in two tensor ops instead of a Python loop per
-        # character: UTF-32 gives one int per code point, and torch.unique returns
-        # the sorted distinct code points plus each character's index among them.
-        codepoints = torch.frombuffer(bytearray(text.encode("utf-32-le")), dtype=torch.int32)
-        vocab, ids = torch.unique(codepoints, sorted=True, return_inverse=True)
-        self.tokenizer = CharTokenizer("".join(map(chr, vocab.tolist())))
-        # Store ids in the smallest dtype that fits: 1 byte per character for
-        # ASCII-like corpora, 2 bytes for Chinese texts with thousands of characters.
-        dtype = torch.uint8 if len(vocab) <= 256 else torch.int16 if len(vocab) <= 32767 else torch.int32
-        self.data = ids.to(dtype)  # (N,)
-
-        n_train = int(len(self.data) * cfg.train_split)
+        n_train = split_point(n, cfg.train_split)
         if n_train < T + 1:
             raise DatasetError(
                 f"data_config.train_split: the training region has {n_train} characters, fewer than "
                 f"block_size + 1 = {T + 1}; raise data_config.train_split or lower data_config.block_size"
             )
-        if len(self.data) - n_train < T + 1:
+        if n - n_train < T + 1:
             raise DatasetError(
-                f"data_config.train_split: the validation region has {len(self.data) - n_train} characters, "
+                f"data_config.train_split: the validation region has {n - n_train} characters, "
                 f"fewer than block_size + 1 = {T + 1}; lower data_config.train_split or data_config.block_size"
             )
-        self.train = TokenWindows(self.data[:n_train], T)
-        self.val = TokenWindows(self.data[n_train:], T)
+        self.train = TokenWindows(self.tokens, 0, n_train, T)
+        self.val = TokenWindows(self.tokens, n_train, n, T)
 
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.vocab_size
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)

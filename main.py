@@ -95,9 +95,12 @@ def run(raw: dict[str, Any]) -> int:
             print0(f"restart | torchrun restarted the workers (TORCHELASTIC_RESTART_COUNT={ctx.restart_count}) | "
                    f"{previous_attempt_report(ctx) or 'no report from the previous attempt'}")
         on_all_ranks(lambda: fetch_default_corpus(data_cfg, ctx))
-        dataset = on_all_ranks(lambda: CharDataset(data_cfg))
-        print0(f"data | {data_cfg.path} | {len(dataset.data):,} characters | vocabulary {dataset.vocab_size} | "
-               f"{len(dataset.train):,} train / {len(dataset.val):,} val windows of {data_cfg.block_size}")
+        # Every rank opens the prepared token file; the first to need it prepares it while the
+        # others on its node (or on a shared cache_dir) wait on a file lock (prepare.py).
+        dataset = on_all_ranks(lambda: CharDataset(data_cfg, tcfg.s3_endpoint_url, log=print0))
+        print0(f"data | {data_cfg.path} | {dataset.num_tokens:,} characters | vocabulary {dataset.vocab_size} | "
+               f"{len(dataset.train):,} train / {len(dataset.val):,} val windows of {data_cfg.block_size} | "
+               f"{dataset.prepared.meta['dtype']} ids in {dataset.prepared.directory}")
         gpt_cfg.vocab_size, gpt_cfg.block_size = dataset.vocab_size, data_cfg.block_size
         torch.manual_seed(tcfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
         model = GPT(gpt_cfg)

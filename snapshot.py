@@ -40,7 +40,7 @@ from typing import Any, Callable
 import torch
 
 from distributed import print0, warn0
-from storage import open_storage
+from storage import open_storage, storage_hint
 
 MANIFEST = "latest.json"
 _SNAPSHOT_RE = re.compile(r"^snapshot_(\d+)\.(pt|dcp)$")  # .pt: one file; .dcp: a directory of shards
@@ -79,15 +79,7 @@ def _load_bytes(data: bytes, map_location) -> Any:
 
 
 def _hint(error: Exception) -> str:
-    """What to fix, for the storage errors people actually hit."""
-    text = f"{type(error).__name__}: {error}"
-    if "Credentials" in type(error).__name__ or "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text:
-        return "check the AWS credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE)"
-    if "NoSuchBucket" in text:
-        return "create the bucket or fix the bucket name in trainer_config.snapshot_path"
-    if "EndpointConnection" in type(error).__name__ or "Connect" in type(error).__name__:
-        return "check trainer_config.s3_endpoint_url / AWS_ENDPOINT_URL and that the server is reachable"
-    return "point trainer_config.snapshot_path at a writable location"
+    return storage_hint(error, "trainer_config.snapshot_path", "point trainer_config.snapshot_path at a writable location")
 
 
 def copy_to_cpu(obj: Any) -> Any:

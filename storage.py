@@ -63,6 +63,17 @@ class LocalStorage:
         return os.listdir(self.root) if os.path.isdir(self.root) else []
 
 
+def s3_client(endpoint_url: str = ""):
+    """A boto3 S3 client (snapshots and s3:// corpora both use it): standard retries with backoff,
+    bounded connect/read timeouts, endpoint from the argument or the usual AWS sources."""
+    import boto3
+    from botocore.config import Config
+
+    return boto3.session.Session().client(
+        "s3", endpoint_url=endpoint_url or None,
+        config=Config(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=10, read_timeout=120))
+
+
 class S3Storage:
     """s3://bucket/prefix through boto3; works with AWS and S3-compatible servers (MinIO, Ceph, R2).
 
@@ -74,15 +85,11 @@ class S3Storage:
     """
 
     def __init__(self, url: str, endpoint_url: str = ""):
-        import boto3
         from boto3.s3.transfer import TransferConfig
-        from botocore.config import Config
 
         parsed = urlparse(url)
         self.bucket, self.prefix = parsed.netloc, parsed.path.strip("/")
-        self.client = boto3.session.Session().client(
-            "s3", endpoint_url=endpoint_url or None,
-            config=Config(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=10, read_timeout=120))
+        self.client = s3_client(endpoint_url)
         self.transfer = TransferConfig(multipart_threshold=16 << 20, multipart_chunksize=16 << 20, max_concurrency=8)
 
     def _key(self, name: str) -> str:
@@ -145,6 +152,18 @@ class FsspecStorage:
 
 
 Storage = LocalStorage | S3Storage | FsspecStorage
+
+
+def storage_hint(error: Exception, setting: str, otherwise: str) -> str:
+    """What to fix, for the storage errors people actually hit (setting: the config key naming the URL)."""
+    text = f"{type(error).__name__}: {error}"
+    if "Credentials" in type(error).__name__ or "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text:
+        return "check the AWS credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE)"
+    if "NoSuchBucket" in text:
+        return f"create the bucket or fix the bucket name in {setting}"
+    if "EndpointConnection" in type(error).__name__ or "Connect" in type(error).__name__:
+        return "check trainer_config.s3_endpoint_url / AWS_ENDPOINT_URL and that the server is reachable"
+    return otherwise
 
 
 def open_storage(url: str, s3_endpoint_url: str = "") -> Storage:

@@ -5,12 +5,12 @@ copy (replica) of the model, and DistributedDataParallel averages the gradients 
 all replicas with an all-reduce during backward, so every replica takes the same
 optimizer step and the copies stay identical; under FSDP each holds a shard
 (parallel.py does the wrapping). Each rank trains on a different shard of every
-global batch, chosen by a DistributedSampler (sampler.py).
+global batch, chosen as a DistributedSampler would choose it (sampler.py).
 
-Data position is kept as *global samples consumed in this epoch*: step by step,
-the job walks through one seeded permutation of all training windows, W*B at a
-time, and rank r takes every W-th of them. Because that position does not depend
-on the world size, a snapshot taken with 4 ranks resumes correctly with 2.
+Data position is kept as *global samples consumed in this epoch* (sampler.DataCursor):
+step by step, the job walks through one seeded permutation of all training windows,
+W*B at a time, and rank r takes every W-th of them. Because that position does not
+depend on the world size, a snapshot taken with 4 ranks resumes correctly with 2.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from distributed import DistContext, all_gather_objects, all_reduce_mean, max_ov
 from metrics import MetricsLog, ProgressLine, format_duration
 from model import GPT, GPTConfig
 from parallel import autocast, check_supported, grad_scaler, wrap_model
-from sampler import ResumableDistributedSampler
+from sampler import DataCursor
 from snapshot import SnapshotError, SnapshotMismatch, SnapshotStore
 from train_config import OptimizerConfig, TrainerConfig
 
@@ -62,12 +62,11 @@ class Trainer:
             raise ConfigError(f"the training region has {len(dataset.train)} windows, fewer than one global batch "
                               f"(batch_size {c.batch_size} x world size {ctx.world_size}); use more text or a "
                               "smaller trainer_config.batch_size")
-        self.sampler = ResumableDistributedSampler(dataset.train, ctx.world_size, ctx.rank, trainer_cfg.seed)
-        self.step, self.epoch, self.samples_consumed = 0, 0, 0
+        self.data_cursor = DataCursor(len(dataset.train), ctx.world_size, ctx.rank, trainer_cfg.seed)
+        self.step = 0
         self.data_seconds = 0.0  # time spent preparing batches since the last log line
         self.last_val_loss: float | None = None  # of the latest evaluation; saved, so a rerun knows a target was met
         self.accum_steps = trainer_cfg.grad_accum_steps  # may change on resume at another world size
-        self._local_key: tuple[int, int] | None = None  # (epoch, start) of the cached index shard
         # Each rank gets its own random stream (dropout must differ across ranks'
         # different samples); all streams follow from the one configured seed.
         torch.manual_seed(trainer_cfg.seed + ctx.rank)
@@ -93,8 +92,8 @@ class Trainer:
             "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
         })
         return {
-            "format_version": 2,
-            "step": self.step, "epoch": self.epoch, "samples_consumed": self.samples_consumed,
+            "format_version": 3,  # 3: data position as a DataCursor state
+            "step": self.step, "data_cursor": self.data_cursor.state_dict(),
             "val_loss": self.last_val_loss,
             "world_size": self.ctx.world_size,
             "global_batch": self.cfg.batch_size * self.ctx.world_size * self.accum_steps,
@@ -135,9 +134,9 @@ class Trainer:
                        optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=full))
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
-        self.step, self.epoch, self.samples_consumed = state["step"], state["epoch"], state["samples_consumed"]
+        self.step = state["step"]
+        self._load_data_cursor(state)
         self.last_val_loss = state.get("val_loss")
-        self._local_key = None
         if state["world_size"] == self.ctx.world_size:
             # Same world size: every rank continues its own random stream exactly.
             rng = state["rng"][self.ctx.rank]
@@ -148,6 +147,13 @@ class Trainer:
             # Ranks no longer map one-to-one onto the saved streams: start new ones,
             # still a function of the seed, and of the step so they do not replay step 0's.
             torch.manual_seed(self.cfg.seed + 100_003 * self.step + self.ctx.rank)
+
+    def _load_data_cursor(self, state: dict[str, Any]) -> None:
+        cursor = state.get("data_cursor") or {"epoch": state["epoch"], "samples_consumed": state["samples_consumed"]}
+        if cursor.get("order") != DataCursor.ORDER:  # a snapshot from before the order was a Feistel permutation
+            warn0(f"the snapshot walked epoch {cursor['epoch']} in another order; the rest of that epoch follows this "
+                  "version's order, so some of its windows may repeat or be skipped (later epochs are exact)")
+        self.data_cursor.load_state_dict(cursor)
 
     def _keep_global_batch(self, global_batch: int) -> None:
         """At a new world size, keep the global batch (and so the meaning of a step and of the
@@ -201,7 +207,8 @@ class Trainer:
             self.metrics.truncate_after(0)  # records of an earlier run here are not this run's history
             return
         self.load_state_dict(state)
-        print0(f"resume | step {self.step} | epoch {self.epoch} | {self.samples_consumed} samples into the epoch "
+        print0(f"resume | step {self.step} | epoch {self.data_cursor.epoch} | "
+               f"{self.data_cursor.samples_consumed} samples into the epoch "
                f"| saved at world size {state['world_size']}, now {self.ctx.world_size} | from {self.store.url}")
         if state["global_batch"] != self.cfg.batch_size * self.ctx.world_size * self.accum_steps:
             self._keep_global_batch(state["global_batch"])
@@ -209,29 +216,21 @@ class Trainer:
 
     # --------------------------------------------------------------------- data
     def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        B, W = self.cfg.batch_size, self.ctx.world_size
-        if self.samples_consumed + W * B > len(self.dataset.train):  # epoch exhausted: next permutation
-            self.epoch, self.samples_consumed = self.epoch + 1, 0
-        if self._local_key is None or self._local_key[0] != self.epoch or self.samples_consumed < self._local_key[1]:
-            # New epoch (or just resumed): this rank's share of the permutation, from here on.
-            self.sampler.set_epoch(self.epoch)
-            self.sampler.set_start(self.samples_consumed)
-            self._local, self._local_key = self.sampler.local_indices(), (self.epoch, self.samples_consumed)
-        i = (self.samples_consumed - self._local_key[1]) // W  # position in this rank's share
-        starts = self._local[i : i + B]  # (B,) window starts for this rank
-        self.samples_consumed += W * B
+        starts = self.data_cursor.next_starts(self.cfg.batch_size)  # (B,) this rank's window starts
         if self._trace is not None:
-            self._trace.write(json.dumps({"step": self.step + 1, "epoch": self.epoch, "starts": starts.tolist()}) + "\n")
+            self._trace.write(json.dumps({"step": self.step + 1, "epoch": self.data_cursor.epoch,
+                                          "starts": starts.tolist()}) + "\n")
             self._trace.flush()
-        x, y = self.dataset.train.batch(starts)  # (B, T) each
+        x, y = self.dataset.train.batch(starts)  # (B, T) each, read from the token file
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     # ------------------------------------------------------------------ training
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean validation loss over a fixed, evenly spaced set of windows, averaged over all ranks."""
+        """Mean validation loss over a fixed, evenly spaced set of windows, averaged over all ranks.
+        Its cost depends on eval_iters, batch size and world size, not on the corpus."""
         B, W, n_iters = self.cfg.batch_size, self.ctx.world_size, self.cfg.eval_iters
-        starts = torch.linspace(0, len(self.dataset.val) - 1, n_iters * B * W).long()[self.ctx.rank :: W]
+        starts = self.dataset.val.evenly_spaced(n_iters * B * W)[self.ctx.rank :: W]  # this rank's share
         self.raw_model.eval()  # no dropout; no gradients, so DDP's hooks are not needed (FSDP's gather still runs)
         total = torch.zeros((), device=self.device)
         for i in range(n_iters):
@@ -355,12 +354,12 @@ class Trainer:
                 now = time.perf_counter()
                 dt_step = (now - t_last) / (step - step_last)
                 eta = (now - t_start) / (step - start_step) * (cfg.max_steps - step)
-                record = {"step": step, "epoch": self.epoch, "train_loss": round(train_loss, 6),
+                record = {"step": step, "epoch": self.data_cursor.epoch, "train_loss": round(train_loss, 6),
                           "lr": self.optimizer.param_groups[0]["lr"], "tokens_per_sec": round(tokens_per_step / dt_step, 1),
                           "ms_per_step": round(1e3 * dt_step, 2), "grad_norm": round(self._grad_norm_value(), 4),
                           "data_ms": round(1e3 * self.data_seconds / (step - step_last), 3)}
                 progress.clear()
-                print0(f"step {step:>6}/{cfg.max_steps} | epoch {self.epoch} | loss {train_loss:.4f} | "
+                print0(f"step {step:>6}/{cfg.max_steps} | epoch {self.data_cursor.epoch} | loss {train_loss:.4f} | "
                        f"lr {record['lr']:.2e} | {record['tokens_per_sec'] / 1e3:.1f}k tok/s | "
                        f"{record['ms_per_step']:.1f} ms/step | ETA {format_duration(eta)}")
                 if is_eval:

@@ -40,7 +40,8 @@ TINY = ["gpt_config.n_layer=2", "gpt_config.n_head=2", "gpt_config.n_embd=32", "
 
 def tiny_overrides(data: Path, run_dir: Path, **trainer) -> list[str]:
     """Hydra overrides for a tiny run writing under run_dir."""
-    args = TINY + [f"data_config.path={data}", f"trainer_config.snapshot_path={run_dir / 'snapshots'}",
+    args = TINY + [f"data_config.path={data}", f"data_config.cache_dir={run_dir / 'prepared'}",
+                   f"trainer_config.snapshot_path={run_dir / 'snapshots'}",
                    f"trainer_config.metrics_path={run_dir / 'metrics.jsonl'}"]
     return args + [f"trainer_config.{k}={v}" for k, v in trainer.items()]
 
@@ -103,6 +104,28 @@ def wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 180) -> 
         if time.monotonic() > deadline:
             break
     raise AssertionError(f"{needle!r} not seen; output:\n{''.join(lines)}")
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A real S3-compatible server (moto_server) on loopback, shared by a test module."""
+    from s3_server import MotoServer
+
+    server = MotoServer()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def bucket(s3, request, monkeypatch):
+    """A fresh bucket named after the test, with the test credentials in the environment."""
+    from s3_server import CREDENTIALS
+
+    for key, value in CREDENTIALS.items():
+        monkeypatch.setenv(key, value)
+    name = request.node.name.replace("_", "-")[:50].lower().strip("-")
+    s3.client().create_bucket(Bucket=name)
+    return name
 
 
 @pytest.fixture(autouse=True)

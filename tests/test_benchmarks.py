@@ -55,3 +55,15 @@ def test_time_to_quality_reports_steps_tokens_and_wall_time_to_the_target(shakes
     assert report["reached"] and report["val_loss"] <= 3.3 and report["step"] % 10 == 0
     assert report["tokens"] == report["step"] * 8 * 32 and report["wall_s"] > 0
     assert "reached 3.3" in result.stdout
+
+
+def test_data_scale_smoke_mode_prepares_trains_and_measures_memory_per_rank(shakespeare, tmp_path):
+    result = run_smoke("data_scale.py", shakespeare, tmp_path / "scale.json")
+    assert "| corpus | vocab | dtype | prepare_s |" in result.stdout
+    report = json.loads((tmp_path / "scale.json").read_text())
+    assert [r["corpus"] for r in report["rows"]] == ["ascii-1MB", "ascii-3MB", "cjk-1MB"]
+    for row in report["rows"]:
+        assert row["ranks_seen"] == 2 and row["peak_rss_mb_per_rank"] > row["peak_pss_mb_per_rank"] > 0
+        assert row["prepare_mb_per_s"] > 0 and row["steady_ms_per_step"] > 0 and row["launch_to_first_step_s"] > 0
+    assert report["rows"][2]["dtype"] == "int16" and report["rows"][2]["vocab"] > 256
+    assert report["readers"]["pread_rss_growth_mb"] < report["readers"]["mmap_rss_growth_mb"]

@@ -8,22 +8,6 @@ from snapshot import SnapshotError, SnapshotStore
 from storage import S3Storage
 
 
-@pytest.fixture(scope="module")
-def s3():
-    server = MotoServer()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def bucket(s3, request, monkeypatch):
-    for key, value in CREDENTIALS.items():
-        monkeypatch.setenv(key, value)
-    name = request.node.name.replace("_", "-")[:50].lower().strip("-")
-    s3.client().create_bucket(Bucket=name)
-    return name
-
-
 def keys(s3, bucket: str) -> list[str]:
     return sorted(o["Key"] for o in s3.client().list_objects_v2(Bucket=bucket).get("Contents", []))
 

@@ -45,13 +45,13 @@ def test_torchrun_two_ranks_snapshot_then_resume_at_the_saved_step_and_data_posi
     assert first.returncode == 0, first.stderr[-3000:]
     assert "world size 2 | backend gloo" in first.stdout
     snap = SnapshotStore(str(tmp_path / "snapshots")).load_latest()
-    assert snap["step"] == 20 and snap["samples_consumed"] == 20 * 2 * 4 and len(snap["rng"]) == 2
+    assert snap["step"] == 20 and snap["data_cursor"]["samples_consumed"] == 20 * 2 * 4 and len(snap["rng"]) == 2
 
     second = run_main(tiny_overrides(shakespeare, tmp_path, max_steps=30, save_every=10), nproc=2)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resume | step 20 | epoch 0 | 160 samples into the epoch" in second.stdout
     snap = SnapshotStore(str(tmp_path / "snapshots")).load_latest()
-    assert snap["step"] == 30 and snap["samples_consumed"] == 30 * 2 * 4
+    assert snap["step"] == 30 and snap["data_cursor"]["samples_consumed"] == 30 * 2 * 4
 
 
 def test_killed_torchrun_job_resumes_and_matches_an_uninterrupted_run_exactly(shakespeare, tmp_path):
@@ -132,3 +132,33 @@ def test_dataparallel_style_reduction_through_rank0_trains_like_the_ring_all_red
     for (loss_a, norm_a), (loss_b, norm_b) in zip(losses["all_reduce"], losses["via_rank0"]):
         assert loss_a == pytest.approx(loss_b, abs=1e-4) and norm_a == pytest.approx(norm_b, rel=1e-3)
     assert losses["via_rank0"][-1][0] < losses["via_rank0"][0][0]
+
+
+def test_a_validation_region_above_2_to_the_24_windows_evaluates(shakespeare, tmp_path):
+    # A float32 linspace of evaluation starts rounded the last one past the end above 2^24
+    # windows (IndexError at the first evaluation of a 200 MB corpus). Here: 17.0 M windows,
+    # an odd last start that float32 cannot hold, in a corpus prepared in a fraction of a second.
+    n, text = 17_900_000, shakespeare.read_bytes()
+    corpus = tmp_path / "long.txt"
+    corpus.write_bytes((text * (n // len(text) + 1))[:n])
+    n_train = n * 5 // 100
+    val_windows = n - n_train - 32  # TINY's block_size
+    assert val_windows > 2**24 and float(torch.tensor(val_windows - 1, dtype=torch.float32)) != val_windows - 1
+    result = run_main(tiny_overrides(corpus, tmp_path, max_steps=1, eval_every=1) + ["data_config.train_split=0.05"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"{n_train - 32:,} train / {val_windows:,} val windows" in result.stdout
+    assert "eval | step 1 | val loss" in result.stdout
+
+
+def test_a_snapshot_from_before_the_data_cursor_resumes_with_a_warning(shakespeare, tmp_path):
+    assert run_main(tiny_overrides(shakespeare, tmp_path, max_steps=4, save_every=4)).returncode == 0
+    store = SnapshotStore(str(tmp_path / "snapshots"))
+    state = store.load_latest()
+    cursor = state.pop("data_cursor")  # the layout format_version 2 wrote
+    state.update(format_version=2, epoch=cursor["epoch"], samples_consumed=cursor["samples_consumed"])
+    store.save(state, 4)
+    result = run_main(tiny_overrides(shakespeare, tmp_path, max_steps=6, save_every=6))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "resume | step 4 | epoch 0 | 16 samples into the epoch" in result.stdout
+    assert "walked epoch 0 in another order" in result.stderr
+    assert store.load_latest()["data_cursor"] == {"epoch": 0, "samples_consumed": 24, "order": "feistel-v1"}
