@@ -139,11 +139,15 @@ class TokenWindows:
         x, y = self.batch(torch.tensor([i]))
         return x[0], y[0]
 
-    def batch(self, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The windows that start at `starts` (B,), as x, y of shape (B, T), int64."""
+    def ids(self, starts: torch.Tensor) -> torch.Tensor:
+        """The windows that start at `starts` (B,) with their targets: (B, T+1) ids in the file's compact dtype."""
         if len(starts) and (int(starts.min()) < 0 or int(starts.max()) >= len(self)):
             raise IndexError(f"window starts must be in [0, {len(self)})")
-        chunk = self.tokens.gather([self.begin + s for s in starts.tolist()], self.block_size + 1).long()  # (B, T+1)
+        return self.tokens.gather([self.begin + s for s in starts.tolist()], self.block_size + 1)
+
+    def batch(self, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The windows that start at `starts` (B,), as x, y of shape (B, T), int64 (y is x shifted by one)."""
+        chunk = self.ids(starts).long()  # (B, T+1)
         return chunk[:, :-1], chunk[:, 1:]
 
     def evenly_spaced(self, count: int) -> torch.Tensor:

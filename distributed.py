@@ -26,6 +26,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from config import ConfigError
+
 
 @dataclass(frozen=True)
 class DistContext:
@@ -50,30 +52,59 @@ class DistContext:
         return self.world_size > 1 or dist.is_initialized()
 
 
-def setup_distributed(timeout_s: float = 600.0) -> DistContext:
+def choose_device(requested: str, gpus: int, local_rank: int, local_world_size: int) -> torch.device:
+    """The device this rank computes on: its own GPU (picked by its local rank) or the CPU.
+
+    requested is trainer_config.device (auto | cpu | cuda); gpus is how many GPUs this
+    process can see. Every rank of a node checks the whole node (local_world_size), so
+    they all stop with the same message instead of one failing while the others wait.
+    """
+    if requested == "cpu" or (requested == "auto" and gpus == 0):
+        return torch.device("cpu")
+    if gpus == 0:
+        raise ConfigError("trainer_config.device=cuda, but no GPU is visible (a CPU-only torch build, no driver, or "
+                          "CUDA_VISIBLE_DEVICES empty); fix that or set trainer_config.device=cpu")
+    if local_world_size > gpus or local_rank >= gpus:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+        raise ConfigError(f"{local_world_size} ranks on this node need one GPU each, but {gpus} GPU(s) are visible "
+                          f"(CUDA_VISIBLE_DEVICES={visible}); start at most {gpus} per node "
+                          f"(torchrun --nproc_per_node={gpus}) or set trainer_config.device=cpu to train on the CPU")
+    return torch.device("cuda", local_rank)
+
+
+def backend_for(device: torch.device) -> str:
+    """The process group's communication backends, per device type of the tensors it moves.
+
+    GPU tensors go through nccl (GPU-to-GPU over NVLink / InfiniBand, no host copy).
+    CPU tensors need gloo: the trainer's small control messages, the pickled objects of
+    all_gather_object, and with FSDP CPU offload the gradient norm of CPU-resident
+    shards. One group with both ("cuda:nccl,cpu:gloo") lets torch pick per tensor.
+    """
+    return "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+
+
+def setup_distributed(timeout_s: float = 600.0, device: str = "auto") -> DistContext:
     """Join the process group described by the launcher's environment, or run alone.
 
     timeout_s bounds every collective: a rank that stops answering turns into an
     error on the others after that long, instead of a job that hangs forever.
+    device is trainer_config.device: auto (a GPU per rank if there are GPUs), cpu, or cuda.
     """
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if "WORLD_SIZE" not in os.environ:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return DistContext(rank=0, local_rank=0, world_size=1, device=device)
+        chosen = choose_device(device, gpus, local_rank=0, local_world_size=1)
+        if chosen.type == "cuda":
+            torch.cuda.set_device(chosen)
+        return DistContext(rank=0, local_rank=0, world_size=1, device=chosen)
 
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ["WORLD_SIZE"])
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if torch.cuda.is_available():
-        # One GPU per process, chosen by the rank on this node; nccl moves data
-        # GPU-to-GPU (NVLink, InfiniBand) without going through host memory.
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device = torch.device("cpu")
-        backend = "gloo"
+    chosen = choose_device(device, gpus, local_rank, local_world_size)
+    if chosen.type == "cuda":
+        torch.cuda.set_device(chosen)  # one GPU per process, picked by its rank on this node
 
     timeout = timedelta(seconds=timeout_s)
     # Rendezvous through the key-value store at MASTER_ADDR:MASTER_PORT. torchrun
@@ -84,13 +115,11 @@ def setup_distributed(timeout_s: float = 600.0) -> DistContext:
     _JOB_STORE, _, _ = next(dist.rendezvous("env://", timeout=timeout))
     _JOB_STORE.set(f"attempt_{restart_count}/world_size", str(world_size))
     store = dist.PrefixStore(f"attempt_{restart_count}", _JOB_STORE)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    global _CONTROL_GROUP
-    # A second, CPU (gloo) group over the same ranks for the trainer's small per-step
-    # messages (stop signals, save failures): on nccl, a GPU tensor's .item() would make
-    # the CPU wait for every queued kernel each step, and the GPU would idle meanwhile.
-    _CONTROL_GROUP = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
-    return DistContext(rank, local_rank, world_size, device, restart_count, local_world_size)
+    # device_id binds the group to this rank's GPU: nccl connects now rather than at the
+    # first collective, and barriers know which GPU to use.
+    dist.init_process_group(backend_for(chosen), store=store, rank=rank, world_size=world_size, timeout=timeout,
+                            device_id=chosen if chosen.type == "cuda" else None)
+    return DistContext(rank, local_rank, world_size, chosen, restart_count, local_world_size)
 
 
 def set_cpu_threads(ctx: DistContext, requested: int = 0) -> int:
@@ -109,9 +138,6 @@ def set_cpu_threads(ctx: DistContext, requested: int = 0) -> int:
     torch.set_num_threads(threads)
     return threads
 
-
-# The gloo group for per-step control messages in nccl jobs (None: the default group is gloo already).
-_CONTROL_GROUP: dist.ProcessGroup | None = None
 
 # The launcher's key-value store. Under torchrun it outlives the workers, so one
 # attempt can leave notes there for the next: why each rank of it exited.
@@ -152,10 +178,10 @@ def previous_attempt_report(ctx: DistContext) -> str:
 
 def teardown_distributed() -> None:
     """Leave the process group. Called from `finally`, so it runs on errors too."""
-    global _JOB_STORE, _CONTROL_GROUP
+    global _JOB_STORE
     if dist.is_initialized():
-        dist.destroy_process_group()  # destroys _CONTROL_GROUP too
-    _JOB_STORE, _CONTROL_GROUP = None, None  # close the store connection now, not during interpreter shutdown
+        dist.destroy_process_group()
+    _JOB_STORE = None  # close the store connection now, not during interpreter shutdown
 
 
 def exit_process(code: int) -> None:
@@ -200,16 +226,23 @@ def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
 
 
 def max_over_ranks(value: int) -> int:
-    """The largest of every rank's value, on every rank (an all-reduce with MAX)."""
+    """The largest of every rank's value, on every rank (an all-reduce with MAX).
+
+    A CPU tensor, so it goes through gloo even in a GPU job (backend_for): the trainer
+    votes every step, and on nccl a GPU tensor's .item() would make the CPU wait for
+    every queued kernel, leaving the GPU idle meanwhile. A gloo timeout also raises an
+    exception (and the rank's exit note is written), where an nccl one aborts the process.
+    """
     if not dist.is_initialized():
         return value
-    t = torch.tensor([value], dtype=torch.int64)  # a CPU tensor: this goes through gloo, never the GPU
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_CONTROL_GROUP)
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
 
 
 def all_gather_objects(obj):
-    """Collect one picklable object from every rank (rank order); a list of one when alone."""
+    """Collect one picklable object from every rank (rank order); a list of one when alone.
+    Pickled bytes travel as CPU tensors, through gloo (see max_over_ranks)."""
     if not dist.is_initialized():
         return [obj]
     out = [None] * dist.get_world_size()

@@ -16,8 +16,13 @@ import sys
 from typing import Any, Callable
 
 import hydra
-import torch
 from omegaconf import DictConfig, OmegaConf
+
+from versions import require_supported_torch
+
+require_supported_torch()  # before the imports below, which need a recent torch
+
+import torch
 
 from char_dataset import CharDataset, DataConfig, DatasetError
 from config import ConfigError, build_config, to_dict
@@ -87,7 +92,7 @@ def run(raw: dict[str, Any]) -> int:
     data_cfg, gpt_cfg, tcfg = cfg["data_config"], cfg["gpt_config"], cfg["trainer_config"]
     ctx = None
     try:
-        ctx = setup_distributed(tcfg.collective_timeout_s)
+        ctx = setup_distributed(tcfg.collective_timeout_s, tcfg.device)
         threads = set_cpu_threads(ctx, tcfg.cpu_threads)
         print0(f"job | world size {ctx.world_size} | backend {torch.distributed.get_backend() if ctx.distributed else 'none'}"
                f" | device {ctx.device} | {threads} CPU threads per rank | restart {ctx.restart_count} | seed {tcfg.seed}")

@@ -190,8 +190,10 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))  # (B, T, V)
         loss = None
         if targets is not None:
-            # Flatten batch and time: every position is one next-character prediction.
-            loss = F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T).long())
+            # Flatten batch and time: every position is one next-character prediction. The loss
+            # in fp32 whatever the logits' dtype: under FSDP's bf16 parameters (no autocast) a
+            # bf16 loss near 1.5 could only move in steps of 2^-7 = 0.008.
+            loss = F.cross_entropy(logits.view(B * T, -1).float(), targets.reshape(B * T).long())
         return logits, loss
 
     @torch.no_grad()

@@ -32,26 +32,26 @@ AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def check_supported(parallel: str, use_amp: bool, amp_dtype: str, ctx: DistContext,
-                    grad_reduce: str = "all_reduce") -> None:
-    """Refuse combinations that cannot work here, with the setting to change."""
+                    grad_reduce: str = "all_reduce", cpu_offload: bool = False) -> None:
+    """Refuse combinations this project does not run, with the setting to change. (Its own rules:
+    FSDP here wants a process group; fp16 and bf16 both run on CPU and GPU.)"""
     if parallel == "none" and ctx.world_size > 1:
         raise ConfigError("trainer_config.parallel=none with several ranks would train diverging copies; "
                           "use ddp or fsdp")
     if parallel == "fsdp" and not ctx.distributed:
         raise ConfigError("trainer_config.parallel=fsdp needs a process group: launch with torchrun "
                           "(--nproc_per_node=1 for one process) or use parallel=ddp")
-    if use_amp and amp_dtype == "fp16" and ctx.device.type != "cuda":
-        raise ConfigError("trainer_config.amp_dtype=fp16 needs a CUDA device; on CPU use amp_dtype=bf16")
+    if cpu_offload and (parallel != "fsdp" or ctx.device.type != "cuda"):
+        raise ConfigError("trainer_config.fsdp_cpu_offload=true keeps FSDP's shards in CPU memory instead of GPU "
+                          "memory: it needs parallel=fsdp on GPUs; set fsdp_cpu_offload=false")
     if grad_reduce == "via_rank0" and parallel != "ddp":
         raise ConfigError("trainer_config.grad_reduce=via_rank0 is a DDP communication hook; use parallel=ddp")
-    if use_amp and amp_dtype == "fp16" and parallel == "fsdp":
-        raise ConfigError("trainer_config.amp_dtype=fp16 with parallel=fsdp is not supported; use amp_dtype=bf16")
 
 
 # No type annotations on the hook: DDP checks them, and `from __future__ import annotations`
 # would turn them into strings. process_group: dist.ProcessGroup | None; bucket: dist.GradBucket.
 def reduce_through_rank0(process_group, bucket):
-    """A DDP communication hook that averages gradients the DataParallel / parameter-server way.
+    """A DDP communication hook that averages gradients through rank 0: a star all-reduce (the parameter-server pattern).
 
     Every rank sends its gradient bucket to rank 0; rank 0 adds them up, divides, and
     sends the mean back to each rank, one message at a time, while backward waits.
@@ -119,6 +119,14 @@ def autocast(parallel: str, use_amp: bool, amp_dtype: str, device: torch.device)
     if not use_amp or parallel == "fsdp":
         return nullcontext()
     return torch.autocast(device_type=device.type, dtype=AMP_DTYPES[amp_dtype])
+
+
+def set_tf32(device: torch.device, enabled: bool) -> None:
+    """TF32 for fp32 matmuls on NVIDIA GPUs (Ampere and newer): their tensor cores take fp32 inputs
+    rounded to a 10-bit mantissa and accumulate in fp32, several times faster than full-precision
+    fp32 matmuls. torch leaves it off by default; nanoGPT and most recipes turn it on."""
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high" if enabled else "highest")
 
 
 def grad_scaler(use_amp: bool, amp_dtype: str, device: torch.device) -> torch.amp.GradScaler:

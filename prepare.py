@@ -18,7 +18,8 @@ One prepared copy per source, under data_config.cache_dir:
     tokens-<sha256[:16]>.bin    the ids, little-endian. Named by content, never rewritten in place.
 
 The source is streamed in chunks twice (sources.py; pass 1 finds the vocabulary, pass 2 encodes), so
-memory is bounded whatever its size. A copy is reused while the source files keep the
+memory is bounded whatever its size. Several files are joined as they are, like `cat` (add a
+trailing newline to each if they need one); a leading byte-order mark is dropped from each. A copy is reused while the source files keep the
 sizes and identities in meta.json (mtime, S3 ETag, fsspec ukey) and the token file
 passes its size and sampled-checksum checks; otherwise it is rebuilt, never trained on.
 One process prepares while the others wait on a file lock, so the ranks of a node (or of
@@ -176,82 +177,107 @@ def check(directory: str, files: list[SourceFile]) -> tuple[Prepared | None, str
 
 
 @contextlib.contextmanager
-def _exclusive(directory: str, log: Callable[[str], None]) -> Iterator[bool]:
-    """Hold <directory>/.lock (flock) while preparing; yields whether the lock is really held.
+def _exclusive(lock_file, directory: str, log: Callable[[str], None]) -> Iterator[bool]:
+    """Hold an flock on the open lock_file while preparing; yields whether the lock is really held.
 
     The kernel drops a flock when its process dies, so a preparer killed mid-way never
     leaves a stale lock behind. Filesystems without flock (NFS without lockd, Lustre
     without -o flock) run unlocked: each writer then writes its own temporary files and
     renames them into place, so the result is still one complete copy, prepared twice.
     """
-    with open(os.path.join(directory, ".lock"), "a") as f:
+    try:
         try:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                log(f"data | another process is preparing {directory}; waiting for it")
-                fcntl.flock(f, fcntl.LOCK_EX)
-            locked = True
-        except OSError:
-            locked = False
-        yield locked  # closing the file releases the lock
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"data | another process is preparing {directory}; waiting for it")
+            fcntl.flock(lock_file, fcntl.LOCK_EX)
+        locked = True
+    except OSError:
+        locked = False
+    yield locked  # closing lock_file releases the lock
+
+
+def _encode_to_file(directory: str, files: list[SourceFile], vocab: str, pending: list[str]) -> dict:
+    """Pass 2: encode every file into one token file in directory, named by its sha256.
+    Paths written go into `pending` (removed by the caller unless the copy is committed)."""
+    encoder = Encoder(vocab)
+    tmp = os.path.join(directory, f".tokens-{uuid.uuid4().hex}.tmp")
+    pending.append(tmp)
+    source_hash, tokens_hash, written = hashlib.sha256(), hashlib.sha256(), 0
+    with open(tmp, "wb") as out:
+        for source in files:
+            for offset, chunk in chunks(source):
+                ids = encoder.encode(chunk, lambda: decode(source, offset, chunk))
+                source_hash.update(chunk)
+                tokens_hash.update(ids)
+                out.write(ids)
+                written += len(ids)
+        out.flush()
+        os.fsync(out.fileno())
+    name = f"tokens-{tokens_hash.hexdigest()[:16]}.bin"
+    os.replace(tmp, os.path.join(directory, name))
+    pending.append(os.path.join(directory, name))
+    return {"tokens_file": name, "tokens_bytes": written, "tokens_sha256": tokens_hash.hexdigest(),
+            "source_sha256": source_hash.hexdigest()}
+
+
+def _commit(directory: str, meta: dict, pending: list[str]) -> None:
+    """Write meta.json atomically (temp file, fsync, rename): from then on the copy exists."""
+    tmp = os.path.join(directory, f".{META}.{uuid.uuid4().hex}.tmp")
+    pending.append(tmp)
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(meta, f, ensure_ascii=False, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(directory, META))
 
 
 def _build(directory: str, spec: str, files: list[SourceFile], s3_endpoint_url: str, locked: bool,
            log: Callable[[str], None]) -> None:
     t0 = time.perf_counter()
-    vocab, n_chars = vocabulary(files)
+    vocab, n_chars = vocabulary(files)  # pass 1
     if n_chars == 0:
         raise DatasetError(f"data_config.path: {spec!r} is empty; point it at UTF-8 text")
-    encoder = Encoder(vocab)
-    tmp = os.path.join(directory, f".tokens-{uuid.uuid4().hex}.tmp")
-    source_hash, tokens_hash, written = hashlib.sha256(), hashlib.sha256(), 0
+    dtype = smallest_dtype(len(vocab))
+    pending: list[str] = []  # what to remove if this does not end in a commit
     try:
-        with open(tmp, "wb") as out:
-            for source in files:  # pass 2: encode
-                for offset, chunk in chunks(source):
-                    ids = encoder.encode(chunk, lambda: decode(source, offset, chunk))
-                    source_hash.update(chunk)
-                    tokens_hash.update(ids)
-                    out.write(ids)
-                    written += len(ids)
-            out.flush()
-            os.fsync(out.fileno())
-        if written != n_chars * encoder.dtype.itemsize or [s.describe() for s in find_sources(spec, s3_endpoint_url)] != \
-                [s.describe() for s in files]:
-            raise DatasetError(f"data_config.path: {spec!r} changed while it was being prepared; run again "
-                               "once nothing writes to it")
-        name = f"tokens-{tokens_hash.hexdigest()[:16]}.bin"
-        os.replace(tmp, os.path.join(directory, name))
+        written = _encode_to_file(directory, files, vocab, pending)  # pass 2
+        # The two passes must have read the same text: pass 2 maps a character pass 1 never saw to id 0.
+        if written["tokens_bytes"] != n_chars * DTYPES[dtype].itemsize:
+            changed = "the two passes read different numbers of characters"
+        elif [s.describe() for s in find_sources(spec, s3_endpoint_url)] != [s.describe() for s in files]:
+            changed = "its files' sizes or identities are not what they were before pass 1"
+        else:
+            changed = ""
+        if changed:
+            raise DatasetError(f"data_config.path: {spec!r} changed while it was being prepared ({changed}); "
+                               "run again once nothing writes to it")
+        tokens_path = os.path.join(directory, written["tokens_file"])
+        meta = {"format": FORMAT, "version": VERSION, "source": spec, "files": [s.describe() for s in files],
+                "source_bytes": sum(s.size for s in files), "source_sha256": written["source_sha256"],
+                "vocab": vocab, "vocab_size": len(vocab), "dtype": dtype, "num_tokens": n_chars,
+                "tokens_file": written["tokens_file"], "tokens_sha256": written["tokens_sha256"],
+                "tokens_sampled_sha256": sampled_sha256(tokens_path, written["tokens_bytes"]),
+                "prepared_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "prepare_seconds": round(time.perf_counter() - t0, 3)}
+        _commit(directory, meta, pending)
+        pending.clear()
     except OSError as e:
         raise DatasetError(f"data_config.cache_dir: cannot write the prepared copy in {directory!r} "
                            f"({type(e).__name__}: {e}); free space or set data_config.cache_dir=<a writable "
                            "directory>") from None
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    path = os.path.join(directory, name)
-    meta = {"format": FORMAT, "version": VERSION, "source": spec, "files": [s.describe() for s in files],
-            "source_bytes": sum(s.size for s in files), "source_sha256": source_hash.hexdigest(),
-            "vocab": vocab, "vocab_size": len(vocab), "dtype": smallest_dtype(len(vocab)), "num_tokens": n_chars,
-            "tokens_file": name, "tokens_sha256": tokens_hash.hexdigest(),
-            "tokens_sampled_sha256": sampled_sha256(path, written),
-            "prepared_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "prepare_seconds": round(time.perf_counter() - t0, 3)}
-    tmp_meta = os.path.join(directory, f".{META}.{uuid.uuid4().hex}.tmp")
-    with open(tmp_meta, "w", encoding="utf-8") as f:
-        json.dump(meta, f, ensure_ascii=False, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp_meta, os.path.join(directory, META))  # the commit: from here on the copy exists
+        for path in pending:
+            with contextlib.suppress(OSError):
+                os.remove(path)
     if locked:  # nobody else writes here now: clear what older versions and killed preparers left
         for old in os.listdir(directory):
-            if old != name and (old.startswith("tokens-") or old.endswith(".tmp")):
+            if old != written["tokens_file"] and (old.startswith("tokens-") or old.endswith(".tmp")):
                 with contextlib.suppress(OSError):
                     os.remove(os.path.join(directory, old))
-    seconds = time.perf_counter() - t0
-    log(f"data | prepared {n_chars:,} characters ({meta['source_bytes'] / 1e6:.1f} MB) in {seconds:.2f} s "
-        f"({meta['source_bytes'] / 1e6 / max(seconds, 1e-9):.0f} MB/s) | vocabulary {len(vocab)} | "
-        f"{meta['dtype']} ids in {path}")
+    seconds, mb = time.perf_counter() - t0, meta["source_bytes"] / 1e6
+    log(f"data | prepared {n_chars:,} characters ({mb:.1f} MB) in {seconds:.2f} s ({mb / max(seconds, 1e-9):.0f} MB/s)"
+        f" | vocabulary {len(vocab)} | {dtype} ids in {tokens_path}")
 
 
 def is_prepared_dir(path: str) -> bool:
@@ -280,10 +306,12 @@ def ensure_prepared(spec: str, cache_dir: str = DEFAULT_CACHE_DIR, s3_endpoint_u
     if prepared is None:
         try:
             os.makedirs(directory, exist_ok=True)
+            lock_file = open(os.path.join(directory, ".lock"), "a")
         except OSError as e:
-            raise DatasetError(f"data_config.cache_dir: cannot create {directory!r} ({e}); set "
-                               "data_config.cache_dir=<a writable directory>") from None
-        with _exclusive(directory, log) as locked:
+            raise DatasetError(f"data_config.cache_dir: cannot write in {directory!r} ({e}), where the prepared "
+                               f"copy needs (re)building ({problem}); set data_config.cache_dir=<a writable "
+                               "directory>") from None
+        with lock_file, _exclusive(lock_file, directory, log) as locked:
             prepared, problem = check(directory, files)  # whoever held the lock may have prepared it
             if prepared is None:
                 log(f"data | preparing {spec} -> {directory} ({problem})")

@@ -42,8 +42,8 @@ class FeistelPermutation:
     brings them back to their widths.) To permute [0, n) rather than [0, 2^bits),
     an output at or above n goes through the network again ("cycle walking")
     until it falls below n: a permutation's cycle that leaves [0, n) always comes
-    back, so this is still a bijection, and as 2^bits < 2n a value needs fewer
-    than 2 passes on average.
+    back, so this is still a bijection, and as 2^bits < 2n (for n > 2; bits is at
+    least 2) a value needs fewer than 2 passes on average.
     """
 
     ROUNDS = 4  # even: the halves end at their starting widths
@@ -117,7 +117,7 @@ class DataCursor:
         self._permutation = FeistelPermutation(num_windows, seed, epoch=0)
 
     def permutation(self, epoch: int) -> FeistelPermutation:
-        """The order of one epoch (built once per epoch: six round keys, nothing per window)."""
+        """The order of one epoch (built once per epoch: four round keys, nothing per window)."""
         if self._permutation.epoch != epoch:
             self._permutation = FeistelPermutation(self.num_windows, self.seed, epoch)
         return self._permutation
@@ -125,6 +125,8 @@ class DataCursor:
     def next_starts(self, batch_size: int) -> torch.Tensor:
         """This rank's window starts for one micro-step: (B,) int64."""
         W = self.world_size
+        if W * batch_size > self.num_windows:
+            raise ValueError(f"one global batch ({W} ranks x {batch_size}) is more than the {self.num_windows} windows")
         if self.samples_consumed + W * batch_size > self.num_windows:  # epoch exhausted
             self.epoch, self.samples_consumed = self.epoch + 1, 0
         first = self.samples_consumed + self.rank  # this rank's positions: first, first+W, first+2W, ...

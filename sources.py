@@ -33,23 +33,28 @@ class SourceFile:
 
     url: str
     size: int
-    identity: dict  # {"mtime_ns"} local, {"etag"} S3, {"ukey"} other fsspec: changes when the file does
+    identity: dict  # changes whenever the file does (see the three finders below)
     open_blocks: Callable[[], Iterator[bytes]] = field(repr=False, compare=False)
 
     def describe(self) -> dict:
         return {"url": self.url, "bytes": self.size, "identity": self.identity}
 
 
+def _directory_hint(name: str) -> DatasetError:
+    return DatasetError(f"data_config.path: {name!r} is a directory; name its files with a glob, "
+                        f"e.g. data_config.path='{name.rstrip('/')}/*.txt'")
+
+
 def _local_files(spec: str) -> list[SourceFile]:
     path = os.path.expanduser(spec)
-    names = sorted(glob.glob(path)) if _GLOB.search(path) else [path] if os.path.exists(path) else []
+    # A name that exists is a file name, even with [ ] ? * in it; only otherwise is it a glob.
+    is_glob = not os.path.exists(path) and bool(_GLOB.search(path))
     files = []
-    for name in names:
+    for name in sorted(glob.glob(path)) if is_glob else [path] if os.path.exists(path) else []:
         if os.path.isdir(name):
-            if _GLOB.search(path):
+            if is_glob:
                 continue
-            raise DatasetError(f"data_config.path: {name!r} is a directory; name its files with a glob, "
-                               f"e.g. data_config.path='{name.rstrip('/')}/*.txt'")
+            raise _directory_hint(name)
         st = os.stat(name)
 
         def blocks(name=name) -> Iterator[bytes]:
@@ -57,7 +62,10 @@ def _local_files(spec: str) -> list[SourceFile]:
                 while block := f.read(CHUNK_BYTES):
                     yield block
 
-        files.append(SourceFile(os.path.abspath(name), st.st_size, {"mtime_ns": st.st_mtime_ns}, blocks))
+        # mtime alone misses a same-size rewrite that keeps it (cp -p, rsync -a, touch -r);
+        # the inode change time (ctime) cannot be set from user space.
+        identity = {"mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
+        files.append(SourceFile(os.path.abspath(name), st.st_size, identity, blocks))
     return files
 
 
@@ -72,40 +80,51 @@ def _s3_files(spec: str, endpoint_url: str) -> list[SourceFile]:
             yield from client.get_object(Bucket=bucket, Key=key, IfMatch=etag)["Body"].iter_chunks(CHUNK_BYTES)
         return SourceFile(f"s3://{bucket}/{key}", size, {"etag": etag}, blocks)
 
-    if not _GLOB.search(key):
-        try:
-            head = client.head_object(Bucket=bucket, Key=key)
-        except Exception as e:  # noqa: BLE001 - a missing key is "no file"; anything else is reported
-            if getattr(e, "response", {}).get("Error", {}).get("Code") in ("404", "NoSuchKey"):
-                return []
-            raise
+    try:  # the key as written (an object may have [ ] ? * in its name)
+        head = client.head_object(Bucket=bucket, Key=key)
         return [source(key, head["ContentLength"], head["ETag"])]
+    except Exception as e:  # noqa: BLE001 - a missing key is "no file" (or a glob); anything else is reported
+        if getattr(e, "response", {}).get("Error", {}).get("Code") not in ("404", "NoSuchKey"):
+            raise
+    if not _GLOB.search(key):
+        return []
     # A glob: list the prefix before the first wildcard, match the rest part by part ('*' stops at '/').
     prefix, parts = key[:_GLOB.search(key).start()], key.split("/")
     found = []
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
         for obj in page.get("Contents", []):
             names = obj["Key"].split("/")
-            if len(names) == len(parts) and all(map(fnmatch.fnmatchcase, names, parts)):
-                found.append(source(obj["Key"], obj["Size"], obj["ETag"]))
+            if len(names) == len(parts) and all(map(fnmatch.fnmatchcase, names, parts)) and names[-1]:
+                found.append(source(obj["Key"], obj["Size"], obj["ETag"]))  # (names[-1] == "": a folder marker)
     return sorted(found, key=lambda s: s.url)
+
+
+def _fsspec_identity(fs, path: str, info: dict) -> dict:
+    """What changes when the file does: modification time, ETag or checksum where the filesystem
+    reports one. fsspec's ukey hashes all of info, which on some (sftp, smb) includes the access
+    time, so reading the file would change it; it is the fallback only."""
+    stable = {k: str(info[k]) for k in ("mtime", "LastModified", "last_modified", "updated", "ETag", "etag",
+                                        "md5Hash", "crc32c", "created") if k in info}
+    return stable or {"ukey": fs.ukey(path)}
 
 
 def _fsspec_files(spec: str) -> list[SourceFile]:
     fs, path = fsspec.core.url_to_fs(spec)
-    paths = sorted(fs.glob(path)) if _GLOB.search(path) else [path] if fs.exists(path) else []
+    is_glob = not fs.exists(path) and bool(_GLOB.search(path))
     files = []
-    for p in paths:
+    for p in sorted(fs.glob(path)) if is_glob else [path] if fs.exists(path) else []:
         info = fs.info(p)
         if info["type"] != "file":
-            continue
+            if is_glob:
+                continue
+            raise _directory_hint(spec)
 
         def blocks(p=p) -> Iterator[bytes]:
             with fs.open(p, "rb") as f:
                 while block := f.read(CHUNK_BYTES):
                     yield block
 
-        files.append(SourceFile(fs.unstrip_protocol(p), info["size"], {"ukey": fs.ukey(p)}, blocks))
+        files.append(SourceFile(fs.unstrip_protocol(p), info["size"], _fsspec_identity(fs, p, info), blocks))
     return files
 
 
@@ -131,13 +150,32 @@ def find_sources(spec: str, s3_endpoint_url: str = "") -> list[SourceFile]:
     return files
 
 
-# ------------------------------------------------------------------ encoding, in bounded chunks
+_BOM = "\ufeff".encode()
+
+
+def _read_blocks(source: SourceFile) -> Iterator[bytes]:
+    """The file's bytes as they arrive, with read failures turned into one-line errors."""
+    try:
+        yield from source.open_blocks()
+    except Exception as e:  # noqa: BLE001 - a vanished file, an I/O error, a dropped connection...
+        if getattr(e, "response", {}).get("Error", {}).get("Code") in ("412", "PreconditionFailed"):
+            raise DatasetError(f"data_config.path: {source.url} changed while it was being prepared; run again "
+                               "once nothing writes to it") from None
+        raise DatasetError(f"data_config.path: cannot read {source.url} ({type(e).__name__}: {e})") from None
+
+
 def chunks(source: SourceFile) -> Iterator[tuple[int, bytes]]:
     """(offset, bytes) of the file, cut at character boundaries: a UTF-8 character split
-    between two reads is carried into the next chunk, so every chunk decodes on its own."""
+    between two reads is carried into the next chunk, so every chunk decodes on its own.
+    A leading byte-order mark (some editors write one) is not text, and is dropped."""
     carry, offset = b"", 0
-    for block in source.open_blocks():
+    for block in _read_blocks(source):
         buf = carry + block
+        if offset == 0 and len(buf) < len(_BOM) and _BOM.startswith(buf):
+            carry = buf  # too short yet to tell whether the file starts with a BOM
+            continue
+        if offset == 0 and buf.startswith(_BOM):
+            buf, offset = buf[len(_BOM):], len(_BOM)
         cut = len(buf)
         for i in range(len(buf) - 1, max(len(buf) - 4, 0) - 1, -1):
             if buf[i] & 0xC0 != 0x80:  # not a continuation byte: the last character starts here

@@ -78,16 +78,22 @@ class TrainerConfig:
     parallel: str = "ddp"
     """How the model is spread over ranks: ddp (full replicas), fsdp (FSDP2 shards), none (one process)."""
     grad_reduce: str = "all_reduce"
-    """DDP: all_reduce (ring, overlapped with backward) or via_rank0 (reduce to rank 0 then broadcast,
-    the DataParallel / parameter-server pattern, kept as a baseline to compare against)."""
+    """DDP: all_reduce (ring, overlapped with backward) or via_rank0 (a star all-reduce: every rank sends
+    to rank 0, which sends the mean back; the parameter-server pattern, kept as a baseline to compare against)."""
     fsdp_reshard_after_forward: bool = True
     """FSDP: free gathered parameters after forward (less memory; gathers again in backward)."""
     fsdp_cpu_offload: bool = False
     """FSDP: keep parameter shards, gradients and optimizer state in CPU memory (for GPU jobs)."""
+    device: str = "auto"
+    """auto: one GPU per rank (picked by its local rank) if there are GPUs, else the CPU; cpu: the CPU
+    and gloo even on a GPU machine; cuda: GPUs, or an error naming what is missing."""
     use_amp: bool = False
-    """Automatic mixed precision: matmuls in amp_dtype, fp32 master weights."""
+    """Automatic mixed precision: matmuls in amp_dtype, parameters and optimizer state stay fp32."""
     amp_dtype: str = "bf16"
-    """bf16 (CPU and GPU) or fp16 (GPU only, with a GradScaler)."""
+    """bf16 (no scaling needed) or fp16 (narrow range: the loss is scaled by a GradScaler), on CPU or GPU."""
+    tf32: bool = True
+    """On NVIDIA GPUs (Ampere and newer), let fp32 matmuls run on TF32 tensor cores (inputs rounded to a
+    10-bit mantissa, fp32 accumulation): several times faster than full fp32. No effect on CPUs."""
     async_save: bool = False
     """Copy the state to CPU memory and write the snapshot in a background thread while training goes on."""
     s3_endpoint_url: str = ""
@@ -116,6 +122,8 @@ class TrainerConfig:
             raise ConfigError(f"trainer_config.parallel must be ddp, fsdp or none, got {self.parallel!r}")
         if self.grad_reduce not in ("all_reduce", "via_rank0"):
             raise ConfigError(f"trainer_config.grad_reduce must be all_reduce or via_rank0, got {self.grad_reduce!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"trainer_config.device must be auto, cpu or cuda, got {self.device!r}")
         if self.amp_dtype not in ("bf16", "fp16"):
             raise ConfigError(f"trainer_config.amp_dtype must be bf16 or fp16, got {self.amp_dtype!r}")
         if self.sample_chars < 0 or self.collective_timeout_s <= 0:

@@ -34,7 +34,7 @@ from config import ConfigError
 from distributed import DistContext, all_gather_objects, all_reduce_mean, max_over_ranks, print0, warn0
 from metrics import MetricsLog, ProgressLine, format_duration
 from model import GPT, GPTConfig
-from parallel import autocast, check_supported, grad_scaler, wrap_model
+from parallel import autocast, check_supported, grad_scaler, set_tf32, wrap_model
 from sampler import DataCursor
 from snapshot import SnapshotError, SnapshotMismatch, SnapshotStore
 from train_config import OptimizerConfig, TrainerConfig
@@ -47,7 +47,8 @@ class Trainer:
         self.dataset = dataset
         self.device = ctx.device
         c = trainer_cfg
-        check_supported(c.parallel, c.use_amp, c.amp_dtype, ctx, c.grad_reduce)
+        check_supported(c.parallel, c.use_amp, c.amp_dtype, ctx, c.grad_reduce, c.fsdp_cpu_offload)
+        set_tf32(self.device, c.tf32)
         self.sharded = c.parallel == "fsdp"
         self.raw_model = model.to(self.device)  # the plain module (under FSDP: sharded in place)
         self.model = wrap_model(self.raw_model, c.parallel, ctx, c.use_amp, c.amp_dtype,
@@ -221,8 +222,18 @@ class Trainer:
             self._trace.write(json.dumps({"step": self.step + 1, "epoch": self.data_cursor.epoch,
                                           "starts": starts.tolist()}) + "\n")
             self._trace.flush()
-        x, y = self.dataset.train.batch(starts)  # (B, T) each, read from the token file
-        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        return self._to_device(self.dataset.train.ids(starts))
+
+    def _to_device(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T+1) ids read from the token file -> inputs x and targets y, (B, T) int64 on the device.
+
+        For a GPU the compact ids (1-2 bytes each, not int64's 8) are copied from page-locked
+        (pinned) host memory: the copy is then a DMA that runs asynchronously, while from
+        ordinary pageable memory it is staged through a pinned buffer first and can stall."""
+        if self.device.type == "cuda":
+            ids = ids.pin_memory().to(self.device, non_blocking=True)
+        ids = ids.long()  # (B, T+1)
+        return ids[:, :-1], ids[:, 1:]
 
     # ------------------------------------------------------------------ training
     @torch.no_grad()
@@ -234,9 +245,9 @@ class Trainer:
         self.raw_model.eval()  # no dropout; no gradients, so DDP's hooks are not needed (FSDP's gather still runs)
         total = torch.zeros((), device=self.device)
         for i in range(n_iters):
-            x, y = self.dataset.val.batch(starts[i * B : (i + 1) * B])
+            x, y = self._to_device(self.dataset.val.ids(starts[i * B : (i + 1) * B]))
             with self._autocast():
-                total += self.raw_model(x.to(self.device), y.to(self.device))[1]
+                total += self.raw_model(x, y)[1]
         self.raw_model.train()
         return all_reduce_mean(total / n_iters).item()
 
@@ -246,6 +257,14 @@ class Trainer:
         gen = torch.Generator(self.device).manual_seed(self.cfg.seed)  # own generator: training RNG untouched
         out = self.raw_model.generate(prompt, self.cfg.sample_chars, temperature=0.8, generator=gen)
         return tok.decode(out[0, 1:])
+
+    def _precision(self) -> str:
+        """How the model computes, in words, for the start-up line."""
+        cfg = self.cfg
+        if not cfg.use_amp:
+            return "fp32 (TF32 matmuls)" if self.device.type == "cuda" and cfg.tf32 else "fp32"
+        words = f"{cfg.amp_dtype} parameters (FSDP mixed precision)" if self.sharded else f"{cfg.amp_dtype} autocast"
+        return words + (" + GradScaler" if self.scaler.is_enabled() else "")
 
     def _autocast(self):
         return autocast(self.cfg.parallel, self.cfg.use_amp, self.cfg.amp_dtype, self.device)
@@ -325,7 +344,7 @@ class Trainer:
         cfg, W = self.cfg, self.ctx.world_size
         tokens_per_step = cfg.batch_size * self.raw_model.config.block_size * W * self.accum_steps
         epochs = cfg.max_steps * tokens_per_step / self.raw_model.config.block_size / len(self.dataset.train)
-        precision = f"{cfg.amp_dtype} autocast" if cfg.use_amp else "fp32"
+        precision = self._precision()
         mode = f"{cfg.parallel} (gradients via rank 0)" if cfg.grad_reduce == "via_rank0" else cfg.parallel
         print0(f"train | {self.raw_model.num_params() / 1e6:.2f}M parameters | {mode} | {precision}"
                f"{' + compile' if cfg.compile else ''} | world size {W} | "

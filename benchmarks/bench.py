@@ -6,10 +6,11 @@
 
 Every mode is a real, short training run of main.py (torchrun for the multi-process
 ones) at the same *global* batch, so the rows compare like with like: one process,
-DDP over 2 and 4 processes, DDP with bf16 autocast, FSDP, torch.compile on/off, and
-"DataParallel-style": DDP with its gradients averaged through rank 0 (every rank sends
-to rank 0, which sends the mean back; no overlap with backward:
-trainer_config.grad_reduce=via_rank0), the pattern nn.DataParallel and parameter servers use. The numbers come from each run's metrics file:
+DDP over 2 and 4 processes, DDP with bf16 autocast, FSDP, torch.compile on/off, and a
+"star all-reduce via rank 0": DDP with its gradients averaged through rank 0 (every rank
+sends to rank 0, which sends the mean back; no overlap with backward:
+trainer_config.grad_reduce=via_rank0), the parameter-server pattern. (nn.DataParallel itself
+is single-process and GPU-only: not a mode here.) The numbers come from each run's metrics file:
 
 - ms/step, tokens/s: median over logged windows, leaving out the first (start-up,
   compilation, allocator warm-up). Tokens/s counts all ranks.
@@ -57,9 +58,9 @@ CPU_MODES = [
     ("single process", 1, {"parallel": "none"}),
     ("single + torch.compile", 1, {"parallel": "none", "compile": True}),
     ("single + bf16 autocast", 1, {"parallel": "none", "use_amp": True}),
-    ("DataParallel-style x2 (via rank 0)", 2, {"parallel": "ddp", "grad_reduce": "via_rank0"}),
+    ("star all-reduce via rank 0 x2", 2, {"parallel": "ddp", "grad_reduce": "via_rank0"}),
     ("DDP x2", 2, {"parallel": "ddp"}),
-    ("DataParallel-style x4 (via rank 0)", 4, {"parallel": "ddp", "grad_reduce": "via_rank0"}),
+    ("star all-reduce via rank 0 x4", 4, {"parallel": "ddp", "grad_reduce": "via_rank0"}),
     ("DDP x4", 4, {"parallel": "ddp"}),
     ("DDP x2 + bf16 autocast", 2, {"parallel": "ddp", "use_amp": True}),
     ("FSDP x2", 2, {"parallel": "fsdp"}),

@@ -25,6 +25,9 @@ from conftest import REPO, free_port
 from main import SCHEMA
 
 READMES = [REPO / "README.md", REPO / "README.zh-CN.md"]
+DOCS = sorted((REPO / "docs").glob("*.md")) + sorted((REPO / "docs" / "zh-CN").glob("*.md"))
+# Reference pages a learner needs in Chinese too: docs/zh-CN/<name> mirrors docs/<name>.
+TRANSLATED = ["configuration.md", "fault-tolerance.md", "from-the-notes.md"]
 MARKERS = ("runnable", "syntax-only", "test-command", "slurm-command")
 BLOCK = re.compile(r"(?:<!-- ([\w-]+) -->\n)?```bash\n(.*?)```", re.S)
 CODE_LINK = re.compile(r"\[`([^`]+)`\]\(([\w./-]+\.py)#L(\d+)\)")
@@ -107,16 +110,19 @@ def test_the_chinese_readme_has_the_same_commands_and_sections_as_the_english_on
 
 def test_code_links_point_at_the_lines_that_do_it():
     for readme in READMES:
-        links = CODE_LINK.findall(readme.read_text())
-        assert len(links) >= 20, f"{readme.name}: expected the concepts to link to code"
-        for name, path, line in links:
-            lines = (REPO / path).read_text().splitlines()
+        assert len(CODE_LINK.findall(readme.read_text())) >= 20, f"{readme.name}: expected the concepts to link to code"
+    for page in [*READMES, *DOCS]:
+        for name, path, line in CODE_LINK.findall(page.read_text()):
+            lines = (page.parent / path).read_text().splitlines()
+            if name.endswith(".py"):  # a link to a file as a whole: it exists (read above)
+                continue
             symbol = name.split("(")[0].split(".")[-1]
-            assert symbol in lines[int(line) - 1], f"{readme.name}: [{name}]({path}#L{line}) is now: {lines[int(line) - 1]!r}"
+            assert symbol in lines[int(line) - 1], \
+                f"{page.relative_to(REPO)}: [{name}]({path}#L{line}) is now: {lines[int(line) - 1]!r}"
 
 
 def test_relative_links_lead_to_files_that_exist():
-    for readme in [*READMES, *sorted((REPO / "docs").glob("*.md"))]:
+    for readme in [*READMES, *DOCS]:
         for target in re.findall(r"\]\(([^)#:\s]+)(?:#[^)]*)?\)", readme.read_text()):
             assert (readme.parent / target).exists(), f"{readme.name} links to missing {target}"
 
@@ -152,3 +158,23 @@ def test_runnable_readme_commands_run_in_order(shakespeare, tmp_path):
             ran += 1
     assert ran >= 15
     assert (tmp_path / "loss.png").is_file() and (tmp_path / "demo.pt").is_file()
+
+
+@pytest.mark.parametrize("name", TRANSLATED)
+def test_the_chinese_reference_pages_mirror_the_english_ones(name):
+    english, chinese = REPO / "docs" / name, REPO / "docs" / "zh-CN" / name
+    assert chinese.is_file(), f"docs/zh-CN/{name} is missing"
+    fence = re.compile(r"```\w*\n(.*?)```", re.S)
+    assert fence.findall(chinese.read_text()) == fence.findall(english.read_text())  # the same commands
+    assert chinese.read_text().count("\n| ") >= english.read_text().count("\n| ") - 2  # the same tables, roughly
+
+
+def test_the_chinese_pages_use_the_terms_a_reader_of_the_notes_knows():
+    # rank（进程序号）, local rank（节点内序号）, world size（总进程数）, reduce = 归约 (the notes' words).
+    for page in [READMES[1], *sorted((REPO / "docs" / "zh-CN").glob("*.md"))]:
+        text = page.read_text()
+        for wrong in ("秩", "世界大小", "规约"):
+            assert wrong not in text, f"{page.relative_to(REPO)} says {wrong!r}"
+    glossary = READMES[1].read_text().split("### 术语对照表", 1)[1].split("\n## ", 1)[0]
+    for term in ("进程序号", "节点内序号", "总进程数", "all-reduce", "归约", "微批次", "自动混合精度", "rendezvous", "bucket"):
+        assert term in glossary, f"the glossary lacks {term}"

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import prepare
+import sources
 from char_dataset import CharDataset, DataConfig, DatasetError, TokenFile
 from conftest import REPO
 from prepare import DatasetError as PrepareError, ensure_prepared, sampled_sha256, verify
@@ -54,8 +55,9 @@ def test_a_second_run_reuses_the_prepared_copy(corpus, tmp_path):
 
 def test_the_metadata_names_the_source_its_identity_and_the_counts(corpus, tmp_path):
     meta = ensure_prepared(str(corpus), str(tmp_path / "cache"), log=Log()).meta
-    assert meta["files"] == [{"url": str(corpus), "bytes": corpus.stat().st_size,
-                              "identity": {"mtime_ns": corpus.stat().st_mtime_ns}}]
+    stat = corpus.stat()
+    assert meta["files"] == [{"url": str(corpus), "bytes": stat.st_size, "identity": {
+        "mtime_ns": stat.st_mtime_ns, "ctime_ns": stat.st_ctime_ns, "inode": stat.st_ino}}]
     assert meta["num_tokens"] == len(corpus.read_text()) and meta["dtype"] == "uint8"
     assert meta["vocab"] == "".join(sorted(set(corpus.read_text())))
 
@@ -123,7 +125,7 @@ def test_a_prepared_directory_can_be_the_data_path_without_its_source(corpus, tm
 def test_an_unwritable_cache_dir_names_the_setting(corpus, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("a file where the cache directory should go")
-    with pytest.raises(DatasetError, match="data_config.cache_dir: cannot create"):
+    with pytest.raises(DatasetError, match="data_config.cache_dir: cannot write in .*not prepared yet"):
         ensure_prepared(str(corpus), str(blocker / "cache"))
 
 
@@ -141,6 +143,78 @@ def test_a_full_disk_is_a_one_line_error_that_leaves_nothing_behind(shakespeare,
         assert leftovers == []
     finally:
         subprocess.run(["umount", str(small)], check=True)
+
+
+def test_a_file_name_with_glob_characters_is_taken_literally(tmp_path):
+    (tmp_path / "v[1].txt").write_text("the real one\n")
+    (tmp_path / "v1.txt").write_text("what the pattern would match\n")
+    assert decoded(ensure_prepared(str(tmp_path / "v[1].txt"), str(tmp_path / "cache"), log=Log())) == "the real one\n"
+
+
+def test_a_same_size_rewrite_that_keeps_the_mtime_is_still_noticed(corpus, tmp_path):
+    ensure_prepared(str(corpus), str(tmp_path / "cache"), log=Log())
+    stat = corpus.stat()
+    corpus.write_text(corpus.read_text().replace("we", "us"))  # same size
+    os.utime(corpus, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # what cp -p, rsync -a, touch -r do
+    assert corpus.stat().st_mtime_ns == stat.st_mtime_ns
+    log = Log()
+    assert decoded(ensure_prepared(str(corpus), str(tmp_path / "cache"), log=log)) == corpus.read_text()
+    assert log.prepared()
+
+
+def test_a_read_failure_mid_prepare_is_a_one_line_error_naming_the_file():
+    def failing():
+        yield b"some text\n"
+        raise OSError(5, "Input/output error")
+
+    source = sources.SourceFile("/data/corpus.txt", 100, {}, failing)
+    with pytest.raises(DatasetError, match=r"^data_config.path: cannot read /data/corpus.txt \(OSError: .*Input/output"):
+        list(sources.chunks(source))
+
+
+def test_a_leading_byte_order_mark_is_not_text(tmp_path):
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_bytes("\ufeff".encode() + f"{name} body\n".encode())
+    prepared = ensure_prepared(str(tmp_path / "*.txt"), str(tmp_path / "cache"), log=Log())
+    assert decoded(prepared) == "a.txt body\nb.txt body\n" and "\ufeff" not in prepared.meta["vocab"]
+
+
+def test_fsspec_identity_ignores_access_times():
+    info = {"name": "/x", "size": 3, "type": "file", "mtime": 1700000000.5, "atime": 1700000999.0}
+    assert sources._fsspec_identity(None, "/x", info) == {"mtime": "1700000000.5"}
+
+
+def mounted(path, size: str) -> bool:
+    path.mkdir(exist_ok=True)
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def test_no_room_for_meta_json_after_the_token_file_leaves_nothing_behind(tmp_path):
+    corpus = tmp_path / "fill.txt"
+    corpus.write_bytes(b"ab" * (256 << 10))  # 512 KiB of uint8 ids: they fill the whole filesystem
+    if not mounted(tmp_path / "small", "512k"):
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        with pytest.raises(DatasetError, match="data_config.cache_dir: cannot write .*No space left"):
+            ensure_prepared(str(corpus), str(tmp_path / "small" / "cache"), log=Log())
+        assert [p.name for p in (tmp_path / "small").rglob("*") if p.is_file()] == [".lock"]
+    finally:
+        subprocess.run(["umount", str(tmp_path / "small")], check=True)
+
+
+def test_a_stale_copy_in_a_read_only_cache_dir_is_a_one_line_error(corpus, tmp_path):
+    if not mounted(tmp_path / "ro", "4m"):
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        ensure_prepared(str(corpus), str(tmp_path / "ro" / "cache"), log=Log())
+        corpus.write_text("the source moved on\n" * 100)
+        subprocess.run(["mount", "-o", "remount,ro", str(tmp_path / "ro")], check=True)
+        with pytest.raises(DatasetError, match=r"cannot write in .*Read-only file system.*the source changed.*"
+                                               r"set data_config.cache_dir="):
+            ensure_prepared(str(corpus), str(tmp_path / "ro" / "cache"), log=Log())
+    finally:
+        subprocess.run(["umount", str(tmp_path / "ro")], check=True)
 
 
 def test_sampling_catches_cheap_damage_and_verify_catches_the_rest(tmp_path):
@@ -228,10 +302,19 @@ def test_an_s3_source_is_prepared_and_a_changed_object_prepared_again(s3, bucket
     assert any("the source changed" in line for line in log)
 
 
+def test_an_s3_object_replaced_while_it_is_read_is_a_one_line_error(s3, bucket):
+    client = s3.client()
+    client.put_object(Bucket=bucket, Key="text.txt", Body=b"version one\n")
+    [source] = sources.find_sources(f"s3://{bucket}/text.txt", s3.url)
+    client.put_object(Bucket=bucket, Key="text.txt", Body=b"version two\n")  # between listing and reading
+    with pytest.raises(DatasetError, match="text.txt changed while it was being prepared"):
+        list(sources.chunks(source))
+
+
 def test_an_s3_glob_takes_the_matching_objects_in_name_order(s3, bucket, tmp_path):
     client = s3.client()
     for key, body in [("shards/part-1.txt", "one\n"), ("shards/part-0.txt", "zero\n"), ("shards/skip.md", "no\n"),
-                      ("shards/deeper/part-2.txt", "not at this level\n")]:
+                      ("shards/deeper/part-2.txt", "not at this level\n"), ("shards/", "")]:
         client.put_object(Bucket=bucket, Key=key, Body=body.encode())
     prepared = ensure_prepared(f"s3://{bucket}/shards/part-*.txt", str(tmp_path / "cache"), s3.url, log=Log())
     assert decoded(prepared) == "zero\none\n"

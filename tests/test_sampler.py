@@ -106,3 +106,8 @@ def test_a_cursor_over_a_trillion_windows_materialises_nothing():
     cursor = DataCursor(10**12, world_size=8, rank=3, seed=0)  # randperm(10**12) would need 8 TB
     starts = cursor.next_starts(64)
     assert starts.shape == (64,) and int(starts.max()) < 10**12 and len(set(starts.tolist())) == 64
+
+
+def test_a_global_batch_larger_than_the_epoch_is_refused():
+    with pytest.raises(ValueError, match=r"one global batch \(2 ranks x 3\) is more than the 5 windows"):
+        DataCursor(5, world_size=2, rank=0, seed=0).next_starts(3)

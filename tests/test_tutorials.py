@@ -42,10 +42,13 @@ def test_ring_all_reduce_matches_dist_all_reduce_and_the_byte_formula(nproc):
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_parameter_server_sends_more_through_rank_0_than_the_ring(nproc):
     out = torchrun("parameter_server.py", nproc)
-    ps = float(re.search(r"\[rank 0\] parameter server +sent +([\d.]+) MB", out).group(1))
-    ring = float(re.search(r"\[rank 0\] ring +sent +([\d.]+) MB", out).group(1))
-    assert ps == pytest.approx(4.2 * (nproc - 1), rel=0.01)
-    assert ring == pytest.approx(4.2 * 2 * (nproc - 1) / nproc, rel=0.01)
+    line = r"\[rank {}\] {} +sent +([\d.]+) MiB +received +([\d.]+) MiB"
+    star0 = [float(v) for v in re.search(line.format(0, "parameter server"), out).groups()]
+    star1 = [float(v) for v in re.search(line.format(1, "parameter server"), out).groups()]
+    ring0 = [float(v) for v in re.search(line.format(0, "ring"), out).groups()]
+    assert star0 == pytest.approx([4 * (nproc - 1)] * 2, rel=0.01)  # rank 0: (N-1) x 4 MiB each way
+    assert star1 == pytest.approx([4, 4], rel=0.01)  # everyone else: one tensor each way
+    assert ring0 == pytest.approx([4 * 2 * (nproc - 1) / nproc] * 2, rel=0.01)  # 2(N-1)/N x 4 MiB each way
 
 
 def test_single_process_and_ddp_versions_learn_the_same_line():

@@ -2,10 +2,12 @@
 
     torchrun --standalone --nproc_per_node=4 tutorials/parameter_server.py
 
-Parameter-server style: every rank sends its whole tensor to rank 0, rank 0 adds
-them up and sends the sum back to each. Rank 0 moves 2(N-1) full tensors, so its
-link is the bottleneck and the time grows with N. In the ring every rank moves
-2(N-1)/N of a tensor: the load is spread evenly and stays nearly constant.
+Parameter-server style (a star): every rank sends its whole tensor (S bytes) to rank 0,
+rank 0 adds them up and sends the sum back to each. Rank 0 receives N-1 full tensors one
+after another, then sends N-1: its link carries (N-1) x S in each direction, and the
+time grows with N. In the ring every rank sends 2(N-1)/N x S and receives as much, all
+ranks at once: no link carries more than about 2 x S, whatever N. (The total over all
+links is the same, 2(N-1) x S: the ring spreads it, the star piles it onto rank 0.)
 """
 
 import time
@@ -16,9 +18,11 @@ import torch.distributed as dist
 from common import init, say, title
 from ring_allreduce import ring_all_reduce
 
+MiB = 1 << 20
 
-def parameter_server_all_reduce(t: torch.Tensor) -> int:
-    """Sum t over all ranks through rank 0; returns the bytes this rank sent."""
+
+def parameter_server_all_reduce(t: torch.Tensor) -> tuple[int, int]:
+    """Sum t over all ranks through rank 0; returns (bytes sent, bytes received) by this rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
     size = t.numel() * t.element_size()
     if rank == 0:
@@ -28,19 +32,25 @@ def parameter_server_all_reduce(t: torch.Tensor) -> int:
             t += incoming
         for dst in range(1, world):
             dist.send(t, dst)
-        return (world - 1) * size
+        return (world - 1) * size, (world - 1) * size
     dist.send(t, 0)
     dist.recv(t, 0)
-    return size
+    return size, size
+
+
+def ring(t: torch.Tensor) -> tuple[int, int]:
+    """The ring, with the same (sent, received) answer: each rank receives what its neighbour sends."""
+    sent = ring_all_reduce(t)
+    return sent, sent
 
 
 if __name__ == "__main__":
     rank, world = init()
-    x = torch.randn(1 << 20) + rank  # 4 MB
-    title(f"{world} ranks, a 4 MB float32 tensor: bytes sent and time (mean of 5)")
-    for name, fn in (("parameter server", parameter_server_all_reduce), ("ring", ring_all_reduce)):
+    x = torch.randn(MiB) + rank  # 2^20 float32 = 4 MiB
+    title(f"{world} ranks, a 4 MiB float32 tensor: what each rank sends and receives, and the time (mean of 5)")
+    for name, fn in (("parameter server", parameter_server_all_reduce), ("ring", ring)):
         result = x.clone()
-        sent = fn(result)
+        sent, received = fn(result)
         reference = x.clone()
         dist.all_reduce(reference)
         assert torch.allclose(result, reference, rtol=1e-5, atol=1e-4), name
@@ -49,5 +59,5 @@ if __name__ == "__main__":
         for _ in range(5):
             fn(x.clone())
         ms = 1e3 * (time.perf_counter() - t0) / 5
-        say(f"{name:<17} sent {sent / 1e6:5.1f} MB  {ms:7.1f} ms")
+        say(f"{name:<17} sent {sent / MiB:5.2f} MiB  received {received / MiB:5.2f} MiB  {ms:7.1f} ms")
     dist.destroy_process_group()

@@ -63,7 +63,7 @@ if __name__ == "__main__":
         say(f"{str(dtype):<13} matches dist.all_reduce: {'exactly' if not dtype.is_floating_point and same else 'within float tolerance' if same else 'NO'}"
             f" | sent {sent} bytes, 2(N-1)/N x size = {formula:.0f}")
 
-    title("time for a 4 MB float32 tensor (mean of 5)")
+    title("time for a 4 MiB float32 tensor (2^20 float32, mean of 5)")
     big = torch.randn(1 << 20)
     for name, fn in (("ring from send/recv", ring_all_reduce), ("dist.all_reduce", dist.all_reduce)):
         dist.barrier()

@@ -3,7 +3,10 @@
     python tutorials/single_to_ddp.py                                   # one process
     torchrun --standalone --nproc_per_node=2 tutorials/single_to_ddp.py # two: same script
 
-Both runs fit y = 3x + 1 with the same global batch and end at the same weights.
+Both runs fit y = 3x + 1 with the same global batch (32 samples a step) and land on it.
+They are not the same run, though: the single process shuffles with the DataLoader's
+random generator, the two ranks with DistributedSampler's seeded permutation, so the
+batches differ and the final weights agree only approximately.
 """
 
 import os

@@ -10,8 +10,14 @@ when one fails. mp.spawn starts N processes on this machine and passes each its
 index as the first argument; here each child turns that index into the same
 variables and calls main.run(), so main.py cannot tell the difference.
 What you give up compared with torchrun: restarts (--max-restarts), elastic
-membership, and multi-node rendezvous. Use it in notebooks or when you need the
-processes to share a parent.
+membership, and multi-node rendezvous. What you get: the processes share a parent,
+which can collect their results.
+
+Not for notebooks as such: the children are fresh interpreters ("spawn"), and mp.spawn
+sends them the worker function by name, so they must be able to import it. A worker
+defined in a notebook cell lives in the notebook's __main__, which a child cannot
+import ("Can't get attribute 'worker' on <module '__main__' (built-in)>"). Define the worker in
+a .py file, as here, and import it from the notebook.
 """
 
 from __future__ import annotations

@@ -1,0 +1,112 @@
+"""The decisions a GPU machine depends on, made by small functions tested here without a GPU:
+which device a rank uses, which backends its process group gets, TF32, the torch version, and
+the fp16 loss-scaling path (which runs on CPU too)."""
+
+import math
+
+import pytest
+import torch
+
+from char_dataset import CharDataset, DataConfig
+from config import ConfigError
+from distributed import DistContext, backend_for, choose_device
+from model import GPT, GPTConfig
+from parallel import check_supported, set_tf32
+from snapshot import SnapshotStore
+from train_config import OptimizerConfig, TrainerConfig
+from trainer import Trainer
+from versions import MIN_TORCH, torch_version_problem
+
+
+def test_auto_uses_one_gpu_per_rank_picked_by_local_rank():
+    assert choose_device("auto", gpus=4, local_rank=3, local_world_size=4) == torch.device("cuda", 3)
+    assert choose_device("cuda", gpus=8, local_rank=0, local_world_size=2) == torch.device("cuda", 0)
+
+
+def test_auto_without_gpus_and_cpu_on_a_gpu_machine_use_the_cpu():
+    assert choose_device("auto", gpus=0, local_rank=0, local_world_size=4) == torch.device("cpu")
+    assert choose_device("cpu", gpus=8, local_rank=5, local_world_size=8) == torch.device("cpu")
+
+
+def test_more_ranks_than_gpus_is_refused_on_every_rank_naming_the_fix(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    for local_rank in range(4):  # rank 0 too: nobody is left waiting for a rank that failed alone
+        with pytest.raises(ConfigError, match=r"4 ranks on this node need one GPU each, but 2 GPU\(s\) are visible "
+                                              r"\(CUDA_VISIBLE_DEVICES=0,1\); start at most 2 per node "
+                                              r"\(torchrun --nproc_per_node=2\) or set trainer_config.device=cpu"):
+            choose_device("auto", gpus=2, local_rank=local_rank, local_world_size=4)
+
+
+def test_cuda_requested_without_a_gpu_is_refused():
+    with pytest.raises(ConfigError, match="trainer_config.device=cuda, but no GPU is visible"):
+        choose_device("cuda", gpus=0, local_rank=0, local_world_size=1)
+
+
+def test_gpu_jobs_get_gloo_beside_nccl_for_cpu_tensors():
+    # CPU-offloaded FSDP gradients, object collectives and the per-step vote are CPU tensors:
+    # an nccl-only group fails on them ("No backend type associated with device type cpu").
+    assert backend_for(torch.device("cuda", 0)) == "cuda:nccl,cpu:gloo"
+    assert backend_for(torch.device("cpu")) == "gloo"
+
+
+def test_fsdp_cpu_offload_is_for_gpu_jobs_and_refused_on_the_cpu():
+    cpu = DistContext(rank=0, local_rank=0, world_size=2, device=torch.device("cpu"))
+    with pytest.raises(ConfigError, match="fsdp_cpu_offload=true .* needs parallel=fsdp on GPUs"):
+        check_supported("fsdp", False, "bf16", cpu, cpu_offload=True)
+    gpu = DistContext(rank=0, local_rank=0, world_size=2, device=torch.device("cuda", 0))
+    check_supported("fsdp", True, "fp16", gpu, cpu_offload=True)  # fp16 under FSDP is allowed too
+
+
+def test_tf32_is_a_gpu_setting_that_leaves_cpu_matmuls_alone():
+    before = torch.get_float32_matmul_precision()
+    set_tf32(torch.device("cpu"), True)
+    assert torch.get_float32_matmul_precision() == before == "highest"
+
+
+@pytest.mark.parametrize("version, ok", [("2.5.1", False), ("2.4.1+cpu", False), ("1.13.1", False),
+                                         ("2.8.0", False), ("2.9.0", True), ("2.9.1+cu128", True), ("2.13.0a0+git1234", True),
+                                         ("3.0.0", True)])
+def test_the_torch_version_check_names_installed_and_required(version, ok):
+    problem = torch_version_problem(version)
+    if ok:
+        assert problem is None
+    else:
+        assert problem == (f"torch {version} is installed; this project needs torch >= {MIN_TORCH} "
+                           f"(pip install 'torch>={MIN_TORCH}')")
+
+
+def tiny_trainer(tmp_path, shakespeare, **trainer) -> Trainer:
+    dataset = CharDataset(DataConfig(path=str(shakespeare), block_size=16, cache_dir=str(tmp_path / "prepared")),
+                          log=lambda _: None)
+    gcfg = GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=dataset.vocab_size, block_size=16)
+    torch.manual_seed(0)
+    tcfg = TrainerConfig(batch_size=4, metrics_path="", **trainer)
+    ctx = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    store = SnapshotStore(str(tmp_path / "snapshots"))
+    return Trainer(GPT(gcfg), dataset, tcfg, OptimizerConfig(grad_clip=1.0), ctx, {"gpt_config": vars(gcfg)}, store)
+
+
+def test_fp16_on_cpu_scales_the_loss_and_an_overflow_skips_the_step_and_halves_the_scale(shakespeare, tmp_path):
+    trainer = tiny_trainer(tmp_path, shakespeare, use_amp=True, amp_dtype="fp16", parallel="none")
+    assert trainer.scaler.is_enabled() and trainer.scaler.get_scale() == 2.0**16
+    trainer.train_step()  # a normal step: the weights move
+    trainer.scaler.update(2.0**40)  # a loss scale no fp16 gradient survives: inf in backward
+    before = {k: v.clone() for k, v in trainer.raw_model.state_dict().items()}
+    trainer.train_step()
+    after = {k: v.clone() for k, v in trainer.raw_model.state_dict().items()}
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the overflowing step was skipped...
+    assert trainer.scaler.get_scale() == 2.0**39  # ...and the scale halved
+    assert not math.isfinite(float(trainer.grad_norm))  # the norm is measured on the (overflowed) gradients
+    trainer.scaler.update(2.0**8)  # (2^39 would keep overflowing for ~24 more halvings)
+    trainer.train_step()  # at a scale fp16 can hold, the step goes through
+    assert any(not torch.equal(after[k], v) for k, v in trainer.raw_model.state_dict().items())
+    assert math.isfinite(float(trainer.grad_norm))
+
+
+def test_gradients_are_unscaled_before_clipping(shakespeare, tmp_path):
+    fp32 = tiny_trainer(tmp_path / "a", shakespeare, parallel="none")
+    fp16 = tiny_trainer(tmp_path / "b", shakespeare, use_amp=True, amp_dtype="fp16", parallel="none")
+    fp32.train_step()
+    fp16.train_step()
+    # The reported norm is the true gradient's, not 65536 times it: clipping saw the unscaled gradients.
+    assert float(fp16.grad_norm) == pytest.approx(float(fp32.grad_norm), rel=0.05)
