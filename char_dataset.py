@@ -20,7 +20,7 @@ import os
 import sys
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Callable, ClassVar
+from typing import Callable
 
 import torch
 
@@ -33,9 +33,7 @@ __all__ = ["CharDataset", "CharTokenizer", "DataConfig", "DatasetError", "TokenF
 
 @dataclass
 class DataConfig:
-    """Where the text is and how it is cut (YAML section `data_config`)."""
-
-    section: ClassVar[str] = "data_config"
+    """Where the text is and how it is cut (config section `data_config`)."""
 
     path: str = "data/tinyshakespeare/input.txt"
     """UTF-8 text: a local path (relative to where you launch), an s3:// or fsspec URL, a glob of

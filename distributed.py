@@ -90,14 +90,17 @@ def setup_distributed(timeout_s: float = 600.0, device: str = "auto") -> DistCon
     error on the others after that long, instead of a job that hangs forever.
     device is trainer_config.device: auto (a GPU per rank if there are GPUs), cpu, or cuda.
     """
+    global _IS_MAIN
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if "WORLD_SIZE" not in os.environ:
+    if not launched_with_ranks():
         chosen = choose_device(device, gpus, local_rank=0, local_world_size=1)
         if chosen.type == "cuda":
             torch.cuda.set_device(chosen)
+        _IS_MAIN = True
         return DistContext(rank=0, local_rank=0, world_size=1, device=chosen)
 
     rank = int(os.environ["RANK"])
+    _IS_MAIN = rank == 0  # from here on print0 follows this process's rank
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ["WORLD_SIZE"])
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -197,18 +200,32 @@ def exit_process(code: int) -> None:
     os._exit(code)
 
 
-_IS_MAIN = os.environ.get("RANK", "0") == "0"
+def launched_with_ranks() -> bool:
+    """Whether a launcher started this process as one rank of several (torchrun, SLURM, mp.spawn...)."""
+    return "WORLD_SIZE" in os.environ
+
+
+# Whether this process is global rank 0: set by setup_distributed from the DistContext it
+# returns. Before that (a config error at start-up) it is unknown: None.
+_IS_MAIN: bool | None = None
+
+
+def is_main_process() -> bool:
+    """Global rank 0, as the DistContext says; before setup_distributed, as the launcher says."""
+    if _IS_MAIN is not None:
+        return _IS_MAIN
+    return os.environ.get("RANK", "0") == "0"  # not set up yet: the launcher's word, so one rank prints
 
 
 def print0(*args, **kwargs) -> None:
     """Print on global rank 0 only: one line per event, not one per process."""
-    if _IS_MAIN:
+    if is_main_process():
         print(*args, **kwargs, flush=True)
 
 
 def warn0(message: str) -> None:
     """A warning on rank 0, to stderr."""
-    if _IS_MAIN:
+    if is_main_process():
         print(f"WARNING: {message}", file=sys.stderr, flush=True)
 
 

@@ -3,10 +3,13 @@
     python main.py                                         # one process
     torchrun --standalone --nproc_per_node=4 main.py       # four processes on this machine
     torchrun --standalone --nproc_per_node=4 main.py trainer_config.max_steps=500   # Hydra overrides
+    python main.py model=gpt-mini parallel=none recipe=fast-cpu                      # config groups
+    python main.py --multirun optimizer_config.learning_rate=1e-3,3e-3 model=tiny,gpt-micro   # a sweep
+    python main.py --help                                  # the groups, and every key with its meaning
 
 Every process of the job runs this same file. They differ only in the RANK /
 LOCAL_RANK the launcher gives them (read in distributed.py). Rerunning the same
-command resumes from the newest snapshot under trainer_config.snapshot_path.
+command resumes from the newest snapshot of the run (trainer_config.run_dir).
 """
 
 from __future__ import annotations
@@ -24,18 +27,22 @@ require_supported_torch()  # before the imports below, which need a recent torch
 
 import torch
 
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+
+import config
 from char_dataset import CharDataset, DataConfig, DatasetError
-from config import ConfigError, build_config, to_dict
+from config import ConfigError, to_dict
 from data.fetch_shakespeare import FetchError, ensure_tinyshakespeare
-from distributed import (DistContext, all_gather_objects, barrier, exit_process, previous_attempt_report, print0,
-                         record_exit, set_cpu_threads, setup_distributed, teardown_distributed)
-from model import GPT, GPTConfig
+from distributed import (DistContext, all_gather_objects, barrier, exit_process, is_main_process,
+                         launched_with_ranks, previous_attempt_report, print0, record_exit, set_cpu_threads, setup_distributed,
+                         teardown_distributed)
+from model import GPT
 from snapshot import SnapshotError, SnapshotStore
-from train_config import OptimizerConfig, TrainerConfig
 from trainer import Trainer
 
-SCHEMA = {"data_config": DataConfig, "gpt_config": GPTConfig,
-          "optimizer_config": OptimizerConfig, "trainer_config": TrainerConfig}
+REPO = os.path.dirname(os.path.abspath(__file__))
+config.register()  # the schema, the config groups and --help, for Hydra
 # Mistakes a user can fix; reported as one line and a non-zero exit, not a traceback.
 USER_ERRORS = (ConfigError, DatasetError, SnapshotError, FetchError)
 
@@ -83,13 +90,9 @@ def fetch_default_corpus(cfg: DataConfig, ctx: DistContext) -> None:
             raise FetchError(f"data_config.path: {e}; download it by hand or set data_config.path=<a UTF-8 file>") from None
 
 
-def run(raw: dict[str, Any]) -> int:
-    try:
-        cfg = build_config(raw, SCHEMA)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    data_cfg, gpt_cfg, tcfg = cfg["data_config"], cfg["gpt_config"], cfg["trainer_config"]
+def run(job) -> int:
+    """Train one job (a config.job_schema() instance) on this process's rank; returns the exit code."""
+    data_cfg, gpt_cfg, tcfg = job.data_config, job.gpt_config, job.trainer_config
     ctx = None
     try:
         ctx = setup_distributed(tcfg.collective_timeout_s, tcfg.device)
@@ -109,13 +112,13 @@ def run(raw: dict[str, Any]) -> int:
         gpt_cfg.vocab_size, gpt_cfg.block_size = dataset.vocab_size, data_cfg.block_size
         torch.manual_seed(tcfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
         model = GPT(gpt_cfg)
-        store = SnapshotStore(tcfg.snapshot_path, tcfg.keep_last, tcfg.s3_endpoint_url)
+        store = SnapshotStore(tcfg.snapshot_url, tcfg.keep_last, tcfg.s3_endpoint_url)
         # Probe the destination now, not at the first save an hour in: rank 0 writes single-file
         # snapshots; under FSDP every rank writes its own shards, so every rank probes.
         writes = ctx.is_main or tcfg.parallel == "fsdp"
         on_all_ranks(store.check_writable if writes else lambda: None)
-        run_config = {name: to_dict(section) for name, section in cfg.items()}
-        trainer = Trainer(model, dataset, tcfg, cfg["optimizer_config"], ctx, run_config, store)
+        run_config = {name: to_dict(getattr(job, name)) for name in config.sections()}
+        trainer = Trainer(model, dataset, tcfg, job.optimizer_config, ctx, run_config, store)
         _KEEP_UNTIL_EXIT.append(trainer)
         on_all_ranks(trainer.resume)
         finished = trainer.train()
@@ -126,8 +129,7 @@ def run(raw: dict[str, Any]) -> int:
         return 0 if finished else 128 + (trainer.stop_signal or 15)
     except (StartupError, *USER_ERRORS) as e:
         record_exit(ctx, f"{type(e).__name__}: {e}")
-        if ctx is None or ctx.is_main:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        print0(f"error: {e}", file=sys.stderr)  # every rank has the same message: rank 0 says it
         return 1
     except BaseException as e:
         # Anything else (a peer vanished mid-collective, a timeout, a bug): note it for
@@ -138,21 +140,71 @@ def run(raw: dict[str, Any]) -> int:
         teardown_distributed()
 
 
+def to_job(cfg: DictConfig) -> Any:
+    """The composed config as dataclasses (each section's __post_init__ checks its ranges)."""
+    return OmegaConf.to_object(cfg)
+
+
+def compose(overrides: list[str]) -> Any:
+    """The config main.py would run with these overrides, without main.py's command line (for
+    other entry points: tutorials/spawn_launch.py, tests)."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=REPO, version_base=None):
+        return hydra_compose(config_name="gpt2_train_cfg", overrides=overrides)
+
+
+def give_sweep_job_its_own_directory(cfg: DictConfig) -> str:
+    """In a --multirun sweep, put this job's files under its own directory (Hydra's job directory:
+    runs/sweep/<its overrides>), so jobs never share snapshots, metrics or TensorBoard events and a
+    rerun of the sweep resumes each from its own. Returns a problem, or "" if none."""
+    if launched_with_ranks():
+        return ("--multirun under torchrun would run every rank's sweep in lockstep through one process group; "
+                "run sweeps as python main.py --multirun ... (one process per job), or one torchrun per setting")
+    job_dir = HydraConfig.get().runtime.output_dir
+    tcfg = cfg.trainer_config
+    for key in ("snapshot_path", "metrics_path"):
+        if tcfg[key] and tcfg[key] != "none" and job_dir not in os.path.abspath(tcfg[key]):
+            return (f"trainer_config.{key}={tcfg[key]} would be shared by every job of this sweep; leave it "
+                    f"empty (each job's goes under its own trainer_config.run_dir) or build it from the run_dir")
+    tcfg.run_dir = job_dir
+    return ""
+
+
+# Exit codes of the jobs this process ran (several in a --multirun sweep).
+_JOB_CODES: list[int] = []
+
+
 # An absolute config_path: the YAML is found wherever you launch from, and also when
 # this module is imported by another entry point.
-@hydra.main(config_path=os.path.dirname(os.path.abspath(__file__)), config_name="gpt2_train_cfg", version_base=None)
+@hydra.main(config_path=REPO, config_name="gpt2_train_cfg", version_base=None)
 def main(cfg: DictConfig) -> None:
-    # Hydra has merged the YAML with the command-line overrides; from here on the
-    # config is plain data, validated by the dataclasses.
-    sys.exit(run(OmegaConf.to_container(cfg, resolve=True)))
+    # Hydra has composed the schema, the config groups, the YAML and the command line, and
+    # refused unknown keys and wrong types. A sweep runs this once per job: a failed job is
+    # recorded (cli() exits non-zero) and the sweep goes on; a stop signal ends it.
+    problem = give_sweep_job_its_own_directory(cfg) if HydraConfig.get().mode == RunMode.MULTIRUN else ""
+    if problem:  # refused before any job: rank 0 says why and fails; under torchrun the other ranks
+        print0(f"error: {problem}", file=sys.stderr)  # leave quietly, so none is killed before it speaks
+        raise SystemExit(1 if is_main_process() else 0)
+    try:
+        job = to_job(cfg)
+    except ConfigError as e:  # a range or a combination: one line, exit 1 like every user error
+        print0(f"error: {e}", file=sys.stderr)
+        code = 1
+    else:
+        code = run(job)
+    _JOB_CODES.append(code)
+    if code > 128:  # stopped by a signal (SIGTERM: preemption): end the whole sweep now
+        raise SystemExit(code)
 
 
 def cli() -> None:
-    """Run main() and exit the process with its code."""
+    """Run main() and exit the process: with Hydra's code if it refused the config, else the
+    first failed job's code (0 when every job succeeded)."""
     try:
         main()
-        code = 0
-    except SystemExit as e:  # run()'s exit code, or Hydra's after it reported an error
+        code = next((c for c in _JOB_CODES if c), 0)
+    except SystemExit as e:  # a stop signal's code, or Hydra's after it reported an error
         code = e.code if isinstance(e.code, int) else 1
     except KeyboardInterrupt:  # a second Ctrl-C / SIGTERM: stop now, without a snapshot
         code = 130

@@ -10,7 +10,6 @@ nh = number of heads, hs = head size (C // nh), V = vocabulary size.
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -21,12 +20,15 @@ from torch.nn import functional as F
 
 from config import ConfigError
 
-# Named sizes (layers, heads, width), as minGPT defines them. gpt-nano is a
-# seconds-long smoke test; gpt2 is the 124M-parameter GPT-2 small.
-PRESETS: dict[str, tuple[int, int, int]] = {
-    "gpt-nano": (3, 3, 48),
+# Named sizes (layers, heads, width): the options of the `model` config group (config.py),
+# e.g. python main.py model=gpt-mini. Most are minGPT's; gpt-micro is the default (nanoGPT's
+# CPU recipe), baby-gpt nanoGPT's shakespeare_char GPU model, gpt2 the 124M GPT-2 small.
+MODEL_SIZES: dict[str, tuple[int, int, int]] = {
     "gpt-micro": (4, 4, 128),
+    "tiny": (2, 2, 32),
+    "gpt-nano": (3, 3, 48),
     "gpt-mini": (6, 6, 192),
+    "baby-gpt": (6, 6, 384),
     "gopher-44m": (8, 16, 512),
     "gpt2": (12, 12, 768),
     "gpt2-medium": (24, 16, 1024),
@@ -37,9 +39,7 @@ PRESETS: dict[str, tuple[int, int, int]] = {
 
 @dataclass
 class GPTConfig:
-    """Shape and regularisation of the network (YAML section `gpt_config`)."""
-
-    section: ClassVar[str] = "gpt_config"
+    """Shape and regularisation of the network (config section `gpt_config`; sizes: model=...)."""
 
     n_layer: int = 4
     """Number of transformer blocks."""
@@ -47,8 +47,6 @@ class GPTConfig:
     """Attention heads per block; must divide n_embd."""
     n_embd: int = 128
     """Width of the residual stream (C)."""
-    preset: str = ""
-    """A name from PRESETS; when set, its (n_layer, n_head, n_embd) replace the three fields above."""
     dropout: float = 0.0
     """Dropout on embeddings and on each residual branch (0 for small data and short runs)."""
     attn_dropout: float = 0.0
@@ -56,15 +54,11 @@ class GPTConfig:
     bias: bool = True
     """Bias terms in Linear and LayerNorm layers."""
     vocab_size: int = 0
-    """Set from the dataset's vocabulary at run time, not in the YAML."""
+    """Set from the dataset's vocabulary at run time (a value given here is replaced)."""
     block_size: int = 0
-    """Context length; set from data_config.block_size at run time, not in the YAML."""
+    """Context length; set from data_config.block_size at run time (a value given here is replaced)."""
 
     def __post_init__(self) -> None:
-        if self.preset:
-            if self.preset not in PRESETS:
-                raise ConfigError(f"gpt_config.preset: unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
-            self.n_layer, self.n_head, self.n_embd = PRESETS[self.preset]
         for name in ("n_layer", "n_head", "n_embd"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"gpt_config.{name} must be positive, got {getattr(self, name)}")
@@ -240,7 +234,6 @@ class GPT(nn.Module):
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-        # The fused kernel updates all parameters in one pass instead of a loop of
-        # small ops; it exists for CUDA and (since torch 2.4) CPU tensors.
-        fused = "fused" in inspect.signature(torch.optim.AdamW).parameters and device_type in ("cuda", "cpu")
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
+        # The fused kernel updates all parameters in one pass instead of a loop of small ops;
+        # torch has it for CUDA and CPU tensors.
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type in ("cuda", "cpu"))

@@ -8,17 +8,21 @@
   all-gathered, and afterwards freed again; gradients are reduce-scattered, so
   each rank keeps only its shard. Memory per rank falls roughly as 1/N, for more
   communication.
-- AMP (automatic mixed precision): matmuls run in bf16 or fp16 while the weights
-  (the "master" copy the optimizer updates) stay fp32. fp16 has a narrow range, so
-  its gradients are scaled up before backward and unscaled before clipping and
-  the optimizer step (GradScaler); bf16 has fp32's range and needs no scaler.
+- AMP (automatic mixed precision): under DDP or one process, torch.autocast runs each
+  op in the precision it assigns (matmuls in bf16 or fp16) while the parameters and the
+  optimizer state stay fp32; under FSDP, a MixedPrecisionPolicy runs whole blocks in
+  bf16/fp16 over fp32 shards. fp16 has a narrow range, so its loss is scaled up before
+  backward and the gradients unscaled before clipping and the optimizer step
+  (GradScaler); bf16 has fp32's range and needs no scaler.
 
+Every function here takes one Plan: the parallelism and precision settings of the run.
 Wrapping lives here, not in model.py: the model stays a plain nn.Module.
 """
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -31,10 +35,30 @@ from distributed import DistContext
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def check_supported(parallel: str, use_amp: bool, amp_dtype: str, ctx: DistContext,
-                    grad_reduce: str = "all_reduce", cpu_offload: bool = False) -> None:
+@dataclass(frozen=True)
+class Plan:
+    """How the model is spread over the ranks and in which precision it computes (trainer_config's keys)."""
+
+    parallel: str = "ddp"  # ddp | fsdp | none
+    grad_reduce: str = "all_reduce"  # DDP: all_reduce | via_rank0
+    use_amp: bool = False
+    amp_dtype: str = "bf16"
+    reshard_after_forward: bool = True  # FSDP
+    cpu_offload: bool = False  # FSDP
+    compile: bool = False
+    tf32: bool = True
+
+    @classmethod
+    def of(cls, c) -> Plan:
+        """The plan a TrainerConfig describes."""
+        return cls(c.parallel, c.grad_reduce, c.use_amp, c.amp_dtype, c.fsdp_reshard_after_forward,
+                   c.fsdp_cpu_offload, c.compile, c.tf32)
+
+
+def check_supported(plan: Plan, ctx: DistContext) -> None:
     """Refuse combinations this project does not run, with the setting to change. (Its own rules:
     FSDP here wants a process group; fp16 and bf16 both run on CPU and GPU.)"""
+    parallel, grad_reduce, cpu_offload = plan.parallel, plan.grad_reduce, plan.cpu_offload
     if parallel == "none" and ctx.world_size > 1:
         raise ConfigError("trainer_config.parallel=none with several ranks would train diverging copies; "
                           "use ddp or fsdp")
@@ -80,58 +104,57 @@ def reduce_through_rank0(process_group, bucket):
     return done
 
 
-def wrap_model(model: nn.Module, parallel: str, ctx: DistContext, use_amp: bool = False, amp_dtype: str = "bf16",
-               reshard_after_forward: bool = True, cpu_offload: bool = False, compile: bool = False,
-               grad_reduce: str = "all_reduce") -> nn.Module:
+def wrap_model(model: nn.Module, plan: Plan, ctx: DistContext) -> nn.Module:
     """Return the module to call for training: DDP(model), the FSDP-sharded model, or model itself."""
-    if compile:
+    if plan.compile:
         # Compile block by block, in place (torchtitan's way): every block has the same
         # code, so it compiles once and is reused; parameter names do not change (no
         # "_orig_mod." prefixes in snapshots), and DDP/FSDP wrap the compiled blocks.
         for block in model.blocks:
             block.compile()
-    if parallel == "fsdp":
+    if plan.parallel == "fsdp":
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         # bf16 compute copies of the parameters, fp32 gradient reduction (summing
         # many small bf16 numbers loses precision), fp32 sharded master weights.
-        mp = MixedPrecisionPolicy(param_dtype=AMP_DTYPES[amp_dtype], reduce_dtype=torch.float32) if use_amp \
-            else MixedPrecisionPolicy()
-        offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+        mp = MixedPrecisionPolicy(param_dtype=AMP_DTYPES[plan.amp_dtype], reduce_dtype=torch.float32) \
+            if plan.use_amp else MixedPrecisionPolicy()
+        offload = CPUOffloadPolicy() if plan.cpu_offload else OffloadPolicy()
+        reshard_after_forward = plan.reshard_after_forward
         # Shard block by block, then the root (embeddings, final norm, head): each
         # block's parameters are gathered just before it runs and freed after.
         for block in model.blocks:
             fully_shard(block, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard_after_forward)
         fully_shard(model, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard_after_forward)
         return model
-    if parallel == "ddp" and ctx.distributed:
+    if plan.parallel == "ddp" and ctx.distributed:
         # DDP registers autograd hooks that all-reduce gradients bucket by bucket
         # while backward is still running, overlapping communication with compute.
         ddp = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
-        if grad_reduce == "via_rank0":
+        if plan.grad_reduce == "via_rank0":
             ddp.register_comm_hook(None, reduce_through_rank0)
         return ddp
     return model
 
 
-def autocast(parallel: str, use_amp: bool, amp_dtype: str, device: torch.device) -> AbstractContextManager:
+def autocast(plan: Plan, device: torch.device) -> AbstractContextManager:
     """The forward pass's precision context. FSDP casts parameters itself (MixedPrecisionPolicy)."""
-    if not use_amp or parallel == "fsdp":
+    if not plan.use_amp or plan.parallel == "fsdp":
         return nullcontext()
-    return torch.autocast(device_type=device.type, dtype=AMP_DTYPES[amp_dtype])
+    return torch.autocast(device_type=device.type, dtype=AMP_DTYPES[plan.amp_dtype])
 
 
-def set_tf32(device: torch.device, enabled: bool) -> None:
+def set_tf32(plan: Plan, device: torch.device) -> None:
     """TF32 for fp32 matmuls on NVIDIA GPUs (Ampere and newer): their tensor cores take fp32 inputs
     rounded to a 10-bit mantissa and accumulate in fp32, several times faster than full-precision
     fp32 matmuls. torch leaves it off by default; nanoGPT and most recipes turn it on."""
     if device.type == "cuda":
-        torch.set_float32_matmul_precision("high" if enabled else "highest")
+        torch.set_float32_matmul_precision("high" if plan.tf32 else "highest")
 
 
-def grad_scaler(use_amp: bool, amp_dtype: str, device: torch.device) -> torch.amp.GradScaler:
+def grad_scaler(plan: Plan, device: torch.device) -> torch.amp.GradScaler:
     """A GradScaler that is active only for fp16 (bf16 does not underflow like fp16 does)."""
-    return torch.amp.GradScaler(device.type, enabled=use_amp and amp_dtype == "fp16")
+    return torch.amp.GradScaler(device.type, enabled=plan.use_amp and plan.amp_dtype == "fp16")
 
 
 def local_bytes(tensors) -> int:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import fields
 
 import fsspec
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from char_dataset import CharTokenizer
-from config import build_section
 from model import GPT, GPTConfig
 from snapshot import SnapshotError, SnapshotStore
 from train_config import TrainerConfig
@@ -25,28 +25,30 @@ from train_config import TrainerConfig
 def load_model(snapshot: str, device: str) -> tuple[GPT, CharTokenizer, int]:
     """The model and tokenizer of the newest usable snapshot under a directory/URL (any kind:
     single-file or sharded, from any world size), or of one .pt file; and its step."""
-    models: list[GPT] = []
-
-    def template(meta: dict) -> dict | None:
-        models.append(GPT(build_section(GPTConfig, meta["config"]["gpt_config"])))
-        # A sharded snapshot is loaded straight into this model's tensors (no optimizer needed).
-        return None if "model" in meta else {"model": get_model_state_dict(models[-1])}
-
     if snapshot.endswith(".pt"):  # a single file, e.g. from `python snapshot.py consolidate`
         with fsspec.open(snapshot, "rb") as f:
             state = torch.load(f, map_location="cpu", weights_only=True)
-        template(state)
+        model = _model_for(state)
     else:
-        state = SnapshotStore(snapshot).load_latest(map_location="cpu", template=template)
-    if state is None:
-        raise SnapshotError(f"no snapshot under {snapshot!r}; train first or pass --snapshot <dir, URL or .pt>")
-    set_model_state_dict(models[-1], state["model"])
-    return models[-1].to(device).eval(), CharTokenizer(state["vocab"]), state["step"]
+        with SnapshotStore(snapshot).open_latest(map_location="cpu") as opened:
+            if opened is None:
+                raise SnapshotError(f"no snapshot under {snapshot!r}; train first or pass --snapshot <dir, URL or .pt>")
+            model = _model_for(opened.meta)
+            # A sharded snapshot is loaded straight into this model's tensors (no optimizer needed).
+            state = {**opened.meta, **opened.tensors(into={"model": get_model_state_dict(model)} if opened.sharded else None)}
+    set_model_state_dict(model, state["model"])
+    return model.to(device).eval(), CharTokenizer(state["vocab"]), state["step"]
+
+
+def _model_for(meta: dict) -> GPT:
+    """A GPT of the snapshot's shape (keys its version saved that GPTConfig no longer has are left out)."""
+    saved = meta["config"]["gpt_config"]
+    return GPT(GPTConfig(**{f.name: saved[f.name] for f in fields(GPTConfig) if f.name in saved}))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Generate text from a trained snapshot.")
-    p.add_argument("--snapshot", default=TrainerConfig.snapshot_path, help="snapshot directory or URL")
+    p.add_argument("--snapshot", default=TrainerConfig().snapshot_url, help="snapshot directory or URL")
     p.add_argument("--prompt", default="\n", help="text to continue (its characters must be in the vocabulary)")
     p.add_argument("--chars", type=int, default=500, help="characters to generate")
     p.add_argument("--temperature", type=float, default=0.8, help="<1 is more conservative, >1 more random")

@@ -8,7 +8,9 @@ only stores and retrieves it, through one small interface:
     store = SnapshotStore("runs/x/snapshots", keep_last=3)
     store.check_writable()          # at start-up, before any training step
     store.save(state, step)         # commit a new snapshot
-    state = store.load_latest()     # newest loadable snapshot, or None
+    with store.open_latest() as snapshot:   # the newest snapshot that passes its checks, or None
+        snapshot.meta                       #   1. its metadata (step, config, vocabulary...)
+        snapshot.tensors(into=...)          #   2. its tensors, a sharded one into the caller's layout
 
 Layout under the snapshot URL (a directory or URL prefix):
 
@@ -26,16 +28,18 @@ one before.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import os
 import re
+import shutil
 import tempfile
 import threading
 import time
 import uuid
-from typing import Any, Callable
+from typing import Any, Iterator
 
 import torch
 
@@ -258,76 +262,101 @@ class SnapshotStore:
             raise SnapshotError(f"{name}: checksum mismatch")
         return data
 
-    def _load_sharded(self, entry: dict, map_location, template: Callable[[dict], dict | None]) -> dict:
-        """Read meta.pt, ask `template` for the tensors to fill, then let DCP fill them from the shards.
+    def _stage(self, entry: dict, directory: str) -> None:
+        """Copy a sharded snapshot's files into a local directory, each checked against the manifest
+        (DCP reads shards from a directory, wherever the snapshot is stored)."""
+        for file, expected in entry["files"].items():
+            with open(os.path.join(directory, file), "wb") as f:
+                f.write(self._read_checked(f"{entry['file']}/{file}", expected))
 
-        DCP reshards on load: the template may be laid out for any world size, FSDP
-        or not, so a snapshot saved by 4 ranks loads into 2, into 1, or into DDP.
+    def _open(self, entry: dict, map_location) -> OpenSnapshot:
+        """Read and check every file of one snapshot; its metadata is then known, its tensors ready."""
+        if entry.get("kind") == "sharded":
+            stage = tempfile.mkdtemp(prefix="dcp-load-")
+            try:
+                self._stage(entry, stage)
+                meta = torch.load(os.path.join(stage, META), map_location=map_location, weights_only=True)
+            except BaseException:
+                shutil.rmtree(stage, ignore_errors=True)
+                raise
+            return OpenSnapshot(entry, meta, stage=stage)
+        state = _load_bytes(self._read_checked(entry["file"], entry if "sha256" in entry else None), map_location)
+        if not isinstance(state, dict) or "step" not in state:
+            raise SnapshotError("not a snapshot of this project")
+        tensors = {k: state.pop(k) for k in ("model", "optimizer") if k in state}
+        return OpenSnapshot(entry, state, tensors=tensors)
+
+    @contextlib.contextmanager
+    def open_latest(self, map_location: str | torch.device = "cpu") -> Iterator[OpenSnapshot | None]:
+        """The newest snapshot whose files all pass their size and checksum checks, or None.
+
+        Loading is two explicit steps: this reads the metadata (step, config, vocabulary...),
+        so the caller can refuse a snapshot of another model before any tensor is used; then
+        OpenSnapshot.tensors() loads the tensors. A damaged snapshot is skipped with a
+        warning, falling back to the one before.
         """
-        import torch.distributed.checkpoint as dcp
+        candidates = self._candidates()
+        for entry in candidates:
+            try:
+                snapshot = self._open(entry, map_location)
+            except Exception as e:  # noqa: BLE001 - fall back to the previous snapshot
+                warn0(f"snapshot {self.url}/{entry['file']} is unusable ({type(e).__name__}: {e}); "
+                      "trying the previous one")
+                continue
+            try:
+                yield snapshot
+            finally:
+                snapshot.close()
+            return
+        if candidates:
+            warn0(f"no usable snapshot under {self.url}; starting fresh")
+        yield None
 
-        meta = _load_bytes(self._read_checked(f"{entry['file']}/{META}", entry["files"][META]), map_location)
-        app_state = template(meta) or {}
-        with tempfile.TemporaryDirectory(prefix="dcp-load-") as stage:
-            for file, expected in entry["files"].items():
-                if file != META:
-                    with open(os.path.join(stage, file), "wb") as f:
-                        f.write(self._read_checked(f"{entry['file']}/{file}", expected))
-            if app_state:
-                dcp.load(app_state, storage_reader=dcp.FileSystemReader(stage))
-        return {**meta, **app_state}
+    def load_latest(self, map_location: str | torch.device = "cpu") -> dict | None:
+        """The newest usable snapshot as one dict, metadata and full tensors (a sharded one consolidated)."""
+        with self.open_latest(map_location) as snapshot:
+            return None if snapshot is None else {**snapshot.meta, **snapshot.tensors()}
 
     def consolidate(self, out_path: str) -> dict:
         """Write the newest snapshot, sharded or not, as one single-file snapshot at out_path."""
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-        candidates = self._candidates()
-        if not candidates:
+        state = self.load_latest()
+        if state is None:
             raise SnapshotError(f"no snapshot under {self.url!r}")
-        entry = candidates[0]
-        if entry.get("kind") != "sharded":
-            state = self.load_latest()
-        else:
-            with tempfile.TemporaryDirectory(prefix="dcp-consolidate-") as stage:
-                for file, expected in entry["files"].items():
-                    with open(os.path.join(stage, file), "wb") as f:
-                        f.write(self._read_checked(f"{entry['file']}/{file}", expected))
-                dcp_to_torch_save(stage, os.path.join(stage, "full.pt"))
-                tensors = torch.load(os.path.join(stage, "full.pt"), weights_only=True)
-                state = {**torch.load(os.path.join(stage, META), weights_only=True), **tensors}
         with open(out_path, "wb") as f:
             f.write(_serialize(state))
         return state
 
-    def load_latest(self, map_location: str | torch.device = "cpu",
-                    template: Callable[[dict], dict | None] | None = None) -> dict | None:
-        """The newest snapshot that passes its integrity check, or None for a fresh start.
 
-        template(meta) is shown the snapshot's metadata (config, vocabulary, step...)
-        before any tensor is used: it may raise SnapshotMismatch to refuse it, and
-        for a sharded snapshot it returns the state dicts to load the shards into.
-        """
-        template = template or (lambda meta: None)
-        candidates = self._candidates()
-        for entry in candidates:
-            where = f"{self.url}/{entry['file']}"
-            try:
-                if entry.get("kind") == "sharded":
-                    return self._load_sharded(entry, map_location, template)
-                state = _load_bytes(self._read_checked(entry["file"], entry if "sha256" in entry else None),
-                                    map_location)
-                if not isinstance(state, dict) or "step" not in state:
-                    raise SnapshotError("not a snapshot of this project")
-                template(state)
-                return state
-            except SnapshotMismatch:
-                raise
-            except Exception as e:  # noqa: BLE001 - fall back to the previous snapshot
-                warn0(f"snapshot {where} is unusable ({type(e).__name__}: {e}); trying the previous one")
-        if candidates:
-            warn0(f"no usable snapshot under {self.url}; starting fresh")
-        return None
+class OpenSnapshot:
+    """A snapshot whose files passed their checks: its metadata, and its tensors on request."""
 
+    def __init__(self, entry: dict, meta: dict, tensors: dict | None = None, stage: str | None = None):
+        self.entry, self.meta, self._tensors, self._stage = entry, meta, tensors, stage
+
+    @property
+    def sharded(self) -> bool:
+        return self._stage is not None
+
+    def tensors(self, into: dict | None = None) -> dict:
+        """{"model": ..., "optimizer": ...}. A single-file snapshot holds full tensors. A sharded one is
+        loaded by DCP into `into`, state dicts laid out for this run at any world size (DCP reshards);
+        without `into`, its shards are consolidated into full tensors."""
+        if not self.sharded:
+            return self._tensors
+        if into is not None:
+            import torch.distributed.checkpoint as dcp
+
+            dcp.load(into, storage_reader=dcp.FileSystemReader(self._stage))
+            return into
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        full = os.path.join(self._stage, "full.pt")
+        dcp_to_torch_save(self._stage, full)
+        return torch.load(full, map_location="cpu", weights_only=True)
+
+    def close(self) -> None:
+        if self._stage is not None:
+            shutil.rmtree(self._stage, ignore_errors=True)
 
 if __name__ == "__main__":
     import argparse

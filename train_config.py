@@ -1,24 +1,22 @@
 """What a training run does: the optimizer and its schedule, and the trainer's knobs.
 
-Two YAML sections, `optimizer_config` and `trainer_config`, each a typed dataclass
-validated in __post_init__ (config.py builds them strictly from the YAML). The
-Trainer in trainer.py is the code they configure.
+Two config sections, `optimizer_config` and `trainer_config`, each a typed dataclass whose
+fields are the keys (config.py registers them with Hydra, which checks keys and types;
+__post_init__ checks ranges). The Trainer in trainer.py is the code they configure.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
-from typing import ClassVar
 
 from config import ConfigError
 
 
 @dataclass
 class OptimizerConfig:
-    """AdamW and its learning-rate schedule (YAML section `optimizer_config`)."""
-
-    section: ClassVar[str] = "optimizer_config"
+    """AdamW and its learning-rate schedule (config section `optimizer_config`)."""
 
     learning_rate: float = 1e-3
     """Peak learning rate, reached at the end of warmup."""
@@ -27,8 +25,11 @@ class OptimizerConfig:
     warmup_steps: int = 100
     """Steps of linear warmup up to learning_rate (step s uses learning_rate * (s+1) / warmup_steps)."""
     weight_decay: float = 0.1
+    """AdamW's decoupled weight decay, on matrices and embeddings only (model.configure_optimizer)."""
     beta1: float = 0.9
+    """AdamW's decay rate for the running mean of gradients."""
     beta2: float = 0.99
+    """AdamW's decay rate for the running mean of squared gradients (0.99: nanoGPT's value for small data)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 disables clipping)."""
 
@@ -51,9 +52,7 @@ class OptimizerConfig:
 
 @dataclass
 class TrainerConfig:
-    """How long and how to train, log and snapshot (YAML section `trainer_config`)."""
-
-    section: ClassVar[str] = "trainer_config"
+    """How long and how to train, log and snapshot (config section `trainer_config`)."""
 
     max_steps: int = 2000
     """Optimizer steps in the whole run; epochs follow from it and the data size."""
@@ -62,17 +61,24 @@ class TrainerConfig:
     grad_accum_steps: int = 1
     """Micro-steps whose gradients are summed before each optimizer step."""
     eval_every: int = 250
+    """Steps between evaluations (validation loss, a sample); the last step is always evaluated."""
     eval_iters: int = 20
     """Batches per rank in each evaluation."""
     log_every: int = 50
+    """Steps between log lines and metrics records (numbers averaged over the steps and the ranks)."""
     save_every: int = 250
-    snapshot_path: str = "runs/shakespeare_char/snapshots"
-    """Directory or URL for snapshots; relative paths are relative to where you launch."""
+    """Steps between snapshots; the last step (and a stop signal) always saves."""
+    run_dir: str = "runs/shakespeare_char"
+    """This run's directory (relative paths: from where you launch): its snapshots, metrics and TensorBoard
+    events go under it unless given paths of their own. Each job of a --multirun sweep gets its own."""
+    snapshot_path: str = ""
+    """Directory or URL (s3://, any fsspec URL) for snapshots; empty: <run_dir>/snapshots."""
     keep_last: int = 3
     """How many snapshots to keep; older ones are deleted after a newer one is committed."""
-    metrics_path: str = "runs/shakespeare_char/metrics.jsonl"
-    """Local JSON-lines file, one record per logged step (empty string: no file)."""
+    metrics_path: str = ""
+    """Local JSON-lines file, one record per logged step; empty: <run_dir>/metrics.jsonl; none: no file."""
     seed: int = 1337
+    """One seed for everything: initial weights, each rank's dropout stream (seed + rank), data order."""
     sample_chars: int = 200
     """Characters generated at each evaluation (0: none)."""
     parallel: str = "ddp"
@@ -108,8 +114,9 @@ class TrainerConfig:
     cpu_threads: int = 0
     """Threads for each rank's CPU math; 0: the cores this process may use divided by the ranks on its
     node (torchrun alone gives every rank 1 thread, leaving cores idle when there are more cores than ranks)."""
-    tensorboard_dir: str = ""
-    """Also log every metrics record to TensorBoard event files here (pip install -e ".[tensorboard]"); empty: off."""
+    tensorboard: bool = False
+    """Also log every metrics record to TensorBoard event files in <run_dir>/tensorboard
+    (pip install -e ".[tensorboard]"; then tensorboard --logdir runs)."""
     target_val_loss: float = 0.0
     """Stop at the first evaluation whose validation loss is at or below this (after a snapshot); 0: off."""
 
@@ -128,11 +135,25 @@ class TrainerConfig:
             raise ConfigError(f"trainer_config.amp_dtype must be bf16 or fp16, got {self.amp_dtype!r}")
         if self.sample_chars < 0 or self.collective_timeout_s <= 0:
             raise ConfigError("trainer_config: sample_chars must be >= 0 and collective_timeout_s > 0")
-        if self.tensorboard_dir:
+        if self.tensorboard:
             try:
                 import tensorboard  # noqa: F401
             except ImportError:
-                raise ConfigError("trainer_config.tensorboard_dir needs the tensorboard package: "
-                                  "pip install -e \".[tensorboard]\" (or leave it empty)") from None
+                raise ConfigError("trainer_config.tensorboard=true needs the tensorboard package: "
+                                  "pip install -e \".[tensorboard]\" (or set it to false)") from None
         if self.cpu_threads < 0 or self.target_val_loss < 0:
             raise ConfigError("trainer_config: cpu_threads and target_val_loss must be >= 0 (0: automatic / off)")
+
+    # Where this run's files go: an explicit path, or the default place under run_dir.
+    @property
+    def snapshot_url(self) -> str:
+        return self.snapshot_path or os.path.join(self.run_dir, "snapshots")
+
+    @property
+    def metrics_file(self) -> str:
+        """The metrics file's path, or "" for none."""
+        return "" if self.metrics_path == "none" else self.metrics_path or os.path.join(self.run_dir, "metrics.jsonl")
+
+    @property
+    def tensorboard_dir(self) -> str:
+        return os.path.join(self.run_dir, "tensorboard") if self.tensorboard else ""

@@ -34,7 +34,7 @@ from config import ConfigError
 from distributed import DistContext, all_gather_objects, all_reduce_mean, max_over_ranks, print0, warn0
 from metrics import MetricsLog, ProgressLine, format_duration
 from model import GPT, GPTConfig
-from parallel import autocast, check_supported, grad_scaler, set_tf32, wrap_model
+from parallel import Plan, autocast, check_supported, grad_scaler, set_tf32, wrap_model
 from sampler import DataCursor
 from snapshot import SnapshotError, SnapshotMismatch, SnapshotStore
 from train_config import OptimizerConfig, TrainerConfig
@@ -47,17 +47,16 @@ class Trainer:
         self.dataset = dataset
         self.device = ctx.device
         c = trainer_cfg
-        check_supported(c.parallel, c.use_amp, c.amp_dtype, ctx, c.grad_reduce, c.fsdp_cpu_offload)
-        set_tf32(self.device, c.tf32)
+        self.plan = Plan.of(c)  # parallelism and precision, for parallel.py
+        check_supported(self.plan, ctx)
+        set_tf32(self.plan, self.device)
         self.sharded = c.parallel == "fsdp"
         self.raw_model = model.to(self.device)  # the plain module (under FSDP: sharded in place)
-        self.model = wrap_model(self.raw_model, c.parallel, ctx, c.use_amp, c.amp_dtype,
-                                c.fsdp_reshard_after_forward, c.fsdp_cpu_offload, c.compile,
-                                c.grad_reduce)  # what training calls
+        self.model = wrap_model(self.raw_model, self.plan, ctx)  # what training calls
         # Built after wrapping: under FSDP the optimizer must hold the sharded parameters.
         self.optimizer = self.raw_model.configure_optimizer(
             optim_cfg.learning_rate, optim_cfg.weight_decay, (optim_cfg.beta1, optim_cfg.beta2), self.device.type)
-        self.scaler = grad_scaler(c.use_amp, c.amp_dtype, self.device)
+        self.scaler = grad_scaler(self.plan, self.device)
         self.grad_norm = torch.zeros(())
         if len(dataset.train) < ctx.world_size * c.batch_size:
             raise ConfigError(f"the training region has {len(dataset.train)} windows, fewer than one global batch "
@@ -71,7 +70,7 @@ class Trainer:
         # Each rank gets its own random stream (dropout must differ across ranks'
         # different samples); all streams follow from the one configured seed.
         torch.manual_seed(trainer_cfg.seed + ctx.rank)
-        self.metrics = MetricsLog(trainer_cfg.metrics_path if ctx.is_main else "",
+        self.metrics = MetricsLog(trainer_cfg.metrics_file if ctx.is_main else "",
                                   trainer_cfg.tensorboard_dir if ctx.is_main else "")
         self.stop_signal: int | None = None  # set by SIGTERM/SIGINT: finish the step, snapshot, exit
         self._trace = None
@@ -117,16 +116,11 @@ class Trainer:
         if mismatched:
             raise SnapshotMismatch(
                 f"snapshot under {self.store.url!r} is for another model shape: {'; '.join(mismatched)}; "
-                "use matching gpt_config/data_config settings or another trainer_config.snapshot_path")
+                "use matching gpt_config/data_config settings or another trainer_config.run_dir")
         if meta["vocab"] != self.dataset.tokenizer.chars:
             raise SnapshotMismatch(
                 f"snapshot under {self.store.url!r} was trained on a different vocabulary; "
-                "use the same data_config.path or another trainer_config.snapshot_path")
-
-    def _load_template(self, meta: dict[str, Any]) -> dict[str, Any] | None:
-        """Checks a snapshot's metadata; for a sharded one, returns our own state dicts to load into."""
-        self.check_compatible(meta)
-        return None if "model" in meta else self.tensor_state()
+                "use the same data_config.path or another trainer_config.run_dir")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # A single-file snapshot holds full tensors; a sharded one was loaded into our own layout.
@@ -198,11 +192,18 @@ class Trainer:
     def resume(self) -> None:
         # To CPU memory first: set_state_dict copies onto the parameters' device (or shards
         # for FSDP), and RNG states must stay CPU tensors.
-        state = self.store.load_latest(map_location="cpu", template=self._load_template)
+        with self.store.open_latest(map_location="cpu") as snapshot:
+            state = None
+            if snapshot is not None:
+                self.check_compatible(snapshot.meta)  # 1. the metadata: refuse another model or corpus
+                # 2. the tensors: a sharded snapshot is loaded straight into this run's own layout
+                tensors = snapshot.tensors(into=self.tensor_state() if snapshot.sharded else None)
+                state = {**snapshot.meta, **tensors}
         steps = all_gather_objects(state["step"] if state else None)
         if len(set(steps)) > 1:  # e.g. one node could not read the newest snapshot and fell back
             raise SnapshotError(f"ranks loaded different snapshots (steps {steps}) from {self.store.url!r}; "
-                                "check that every node sees the same trainer_config.snapshot_path")
+                                "check that every node sees the same snapshot storage (trainer_config.run_dir / "
+                                "snapshot_path)")
         if state is None:
             print0(f"resume | no snapshot under {self.store.url} | starting fresh at step 0")
             self.metrics.truncate_after(0)  # records of an earlier run here are not this run's history
@@ -267,7 +268,7 @@ class Trainer:
         return words + (" + GradScaler" if self.scaler.is_enabled() else "")
 
     def _autocast(self):
-        return autocast(self.cfg.parallel, self.cfg.use_amp, self.cfg.amp_dtype, self.device)
+        return autocast(self.plan, self.device)
 
     def _gradient_sync(self, sync: bool):
         """Gradient accumulation: communicate gradients only on the last micro-step; before it they
@@ -340,88 +341,131 @@ class Trainer:
             self.store.wait()  # the final save is on disk before the process exits
         return finished
 
+    # ------------------------------------------------------------------ the loop
     def _train_loop(self) -> bool:
-        cfg, W = self.cfg, self.ctx.world_size
-        tokens_per_step = cfg.batch_size * self.raw_model.config.block_size * W * self.accum_steps
-        epochs = cfg.max_steps * tokens_per_step / self.raw_model.config.block_size / len(self.dataset.train)
-        precision = self._precision()
-        mode = f"{cfg.parallel} (gradients via rank 0)" if cfg.grad_reduce == "via_rank0" else cfg.parallel
-        print0(f"train | {self.raw_model.num_params() / 1e6:.2f}M parameters | {mode} | {precision}"
-               f"{' + compile' if cfg.compile else ''} | world size {W} | "
-               f"global batch {cfg.batch_size * W * self.accum_steps} windows = {tokens_per_step} tokens | "
-               f"steps {self.step}->{cfg.max_steps} (~{epochs:.2f} epochs)")
-        if self._target_reached():
-            print0(f"train | snapshot's val loss {self.last_val_loss:.4f} already meets trainer_config.target_val_loss "
-                   f"{cfg.target_val_loss}; nothing to do")
+        """Train to max_steps (or the target loss); False if a stop signal ended it early."""
+        self._announce()
+        if self._nothing_to_do():
             return True
-        if self.step >= cfg.max_steps:
-            print0(f"train | snapshot is already at step {self.step} >= max_steps {cfg.max_steps}; nothing to do "
-                   f"(raise trainer_config.max_steps, or use another trainer_config.snapshot_path for a new run)")
-            return True
-        progress = ProgressLine(cfg.max_steps, enabled=self.ctx.is_main)
-        start_step, t_start = self.step, time.perf_counter()
-        t_last, step_last = t_start, self.step
-        loss_acc = torch.zeros((), device=self.device)
-        while self.step < cfg.max_steps:
-            loss_acc += self.train_step()
-            step, last = self.step, self.step == cfg.max_steps
-            progress.update(step)
-            is_eval = step % cfg.eval_every == 0 or last
-            if step % cfg.log_every == 0 or is_eval:
-                # .item() waits for the device; do it only on log steps, not every step.
-                train_loss = all_reduce_mean(loss_acc / (step - step_last)).item()
-                now = time.perf_counter()
-                dt_step = (now - t_last) / (step - step_last)
-                eta = (now - t_start) / (step - start_step) * (cfg.max_steps - step)
-                record = {"step": step, "epoch": self.data_cursor.epoch, "train_loss": round(train_loss, 6),
-                          "lr": self.optimizer.param_groups[0]["lr"], "tokens_per_sec": round(tokens_per_step / dt_step, 1),
-                          "ms_per_step": round(1e3 * dt_step, 2), "grad_norm": round(self._grad_norm_value(), 4),
-                          "data_ms": round(1e3 * self.data_seconds / (step - step_last), 3)}
+        progress = ProgressLine(self.cfg.max_steps, enabled=self.ctx.is_main)
+        window, t_start = _LogWindow(self.step, self.device), time.perf_counter()
+        while self.step < self.cfg.max_steps:
+            window.add(self.train_step())
+            progress.update(self.step)
+            last = self.step == self.cfg.max_steps
+            evaluate = self.step % self.cfg.eval_every == 0 or last
+            if self.step % self.cfg.log_every == 0 or evaluate:
                 progress.clear()
-                print0(f"step {step:>6}/{cfg.max_steps} | epoch {self.data_cursor.epoch} | loss {train_loss:.4f} | "
-                       f"lr {record['lr']:.2e} | {record['tokens_per_sec'] / 1e3:.1f}k tok/s | "
-                       f"{record['ms_per_step']:.1f} ms/step | ETA {format_duration(eta)}")
-                if is_eval:
-                    record["val_loss"] = self.last_val_loss = round(self.evaluate(), 6)
-                    line = f"eval | step {step} | val loss {record['val_loss']:.4f}"
-                    # Under FSDP every rank must take part in each forward (they all-gather
-                    # parameters), so all ranks generate the same sample; rank 0 prints it.
-                    if cfg.sample_chars and (self.ctx.is_main or self.sharded):
-                        record["sample"] = self._sample()
-                        line += f" | sample: {record['sample']!r}"
-                    print0(line)
-                    if self._target_reached():
-                        print0(f"target | val loss {record['val_loss']:.4f} <= trainer_config.target_val_loss "
-                               f"{cfg.target_val_loss} at step {step} | stopping")
-                        last = True  # every rank evaluated the same all-reduced loss: they all stop here
-                self.metrics.write(record)
-                t_last, step_last, loss_acc = time.perf_counter(), step, torch.zeros((), device=self.device)
-                self.data_seconds = 0.0
-            failure = None
-            try:
-                if step % cfg.save_every == 0 or last:
-                    self.save_snapshot(block=last)
-                if self.ctx.is_main:
-                    self.store.raise_if_failed()  # a failed background save fails the job now
-            except SnapshotError as e:
-                failure = e
-            # One all-reduce per step tells every rank whether any rank failed to save
-            # (-> all stop with an error, instead of the others waiting in the next
-            # collective) or received SIGTERM/SIGINT (-> all stop after a snapshot).
-            signal_code = 0 if last else (self.stop_signal or 0)
-            verdict = max_over_ranks(1000 if failure else signal_code)
-            if verdict == 1000:
-                raise failure or SnapshotError("a snapshot save failed on another rank; see rank 0's log")
-            if verdict:
-                self.stop_signal = verdict
+                last = self._log(window, t_start, evaluate) or last  # True: the target loss was reached
+            stop = self._save_and_vote(last)
+            if stop:
                 progress.clear()
-                print0(f"preempted | {signal.Signals(verdict).name} received | "
-                       f"saving step {step}; rerun the same command to continue")
-                if step % cfg.save_every:
-                    self.save_snapshot(block=True)
+                self._stop_for(stop)
                 return False
             if last:
                 break
         progress.clear()
         print0(f"done | step {self.step} | {format_duration(time.perf_counter() - t_start)} wall time this run")
         return True
+
+    def _announce(self) -> None:
+        """The start-up line: what is about to train, how, and for how long."""
+        cfg, W = self.cfg, self.ctx.world_size
+        tokens_per_step = cfg.batch_size * self.raw_model.config.block_size * W * self.accum_steps
+        epochs = cfg.max_steps * tokens_per_step / self.raw_model.config.block_size / len(self.dataset.train)
+        mode = f"{cfg.parallel} (gradients via rank 0)" if cfg.grad_reduce == "via_rank0" else cfg.parallel
+        print0(f"train | {self.raw_model.num_params() / 1e6:.2f}M parameters | {mode} | {self._precision()}"
+               f"{' + compile' if cfg.compile else ''} | world size {W} | "
+               f"global batch {cfg.batch_size * W * self.accum_steps} windows = {tokens_per_step} tokens | "
+               f"steps {self.step}->{cfg.max_steps} (~{epochs:.2f} epochs)")
+
+    def _nothing_to_do(self) -> bool:
+        """A rerun of a finished run (target met, or max_steps reached) trains nothing."""
+        if self._target_reached():
+            print0(f"train | snapshot's val loss {self.last_val_loss:.4f} already meets trainer_config.target_val_loss "
+                   f"{self.cfg.target_val_loss}; nothing to do")
+            return True
+        if self.step >= self.cfg.max_steps:
+            print0(f"train | snapshot is already at step {self.step} >= max_steps {self.cfg.max_steps}; nothing to do "
+                   f"(raise trainer_config.max_steps, or use another trainer_config.run_dir for a new run)")
+            return True
+        return False
+
+    def _log(self, window: _LogWindow, t_start: float, evaluate: bool) -> bool:
+        """One log line (and metrics record) for the steps since the last; with evaluate, the validation
+        loss and a sample too. Returns whether the target loss was reached."""
+        cfg, step = self.cfg, self.step
+        tokens_per_step = cfg.batch_size * self.raw_model.config.block_size * self.ctx.world_size * self.accum_steps
+        # .item() waits for the device: only on log steps, never every step. The loss is averaged over ranks.
+        train_loss = all_reduce_mean(window.loss_sum / (step - window.step)).item()
+        now = time.perf_counter()
+        dt_step = (now - window.time) / (step - window.step)
+        eta = (now - t_start) / (step - window.start_step) * (cfg.max_steps - step)
+        record = {"step": step, "epoch": self.data_cursor.epoch, "train_loss": round(train_loss, 6),
+                  "lr": self.optimizer.param_groups[0]["lr"], "tokens_per_sec": round(tokens_per_step / dt_step, 1),
+                  "ms_per_step": round(1e3 * dt_step, 2), "grad_norm": round(self._grad_norm_value(), 4),
+                  "data_ms": round(1e3 * self.data_seconds / (step - window.step), 3)}
+        print0(f"step {step:>6}/{cfg.max_steps} | epoch {self.data_cursor.epoch} | loss {train_loss:.4f} | "
+               f"lr {record['lr']:.2e} | {record['tokens_per_sec'] / 1e3:.1f}k tok/s | "
+               f"{record['ms_per_step']:.1f} ms/step | ETA {format_duration(eta)}")
+        reached = False
+        if evaluate:
+            record["val_loss"] = self.last_val_loss = round(self.evaluate(), 6)
+            line = f"eval | step {step} | val loss {record['val_loss']:.4f}"
+            # Under FSDP every rank must take part in each forward (they all-gather
+            # parameters), so all ranks generate the same sample; rank 0 prints it.
+            if cfg.sample_chars and (self.ctx.is_main or self.sharded):
+                record["sample"] = self._sample()
+                line += f" | sample: {record['sample']!r}"
+            print0(line)
+            if reached := self._target_reached():  # every rank has the same all-reduced loss: all stop here
+                print0(f"target | val loss {record['val_loss']:.4f} <= trainer_config.target_val_loss "
+                       f"{cfg.target_val_loss} at step {step} | stopping")
+        self.metrics.write(record)
+        window.reset(step)
+        self.data_seconds = 0.0
+        return reached
+
+    def _save_and_vote(self, last: bool) -> int:
+        """Snapshot if it is time, then one all-reduce through which every rank learns whether any rank
+        failed to save (all raise, rather than the others waiting in the next collective) or received
+        SIGTERM/SIGINT (all stop after a snapshot). Returns 0 to go on, or the signal to stop for."""
+        failure = None
+        try:
+            if self.step % self.cfg.save_every == 0 or last:
+                self.save_snapshot(block=last)
+            if self.ctx.is_main:
+                self.store.raise_if_failed()  # a failed background save fails the job now
+        except SnapshotError as e:
+            failure = e
+        verdict = max_over_ranks(SAVE_FAILED if failure else 0 if last else (self.stop_signal or 0))
+        if verdict == SAVE_FAILED:
+            raise failure or SnapshotError("a snapshot save failed on another rank; see rank 0's log")
+        return verdict
+
+    def _stop_for(self, signum: int) -> None:
+        """Stopped by a signal on some rank: every rank saves the current step (if not just saved)."""
+        self.stop_signal = signum
+        print0(f"preempted | {signal.Signals(signum).name} received | "
+               f"saving step {self.step}; rerun the same command to continue")
+        if self.step % self.cfg.save_every:
+            self.save_snapshot(block=True)
+
+
+# The stop vote's value for "a rank failed to save"; signal numbers (SIGTERM 15, SIGINT 2) are below it.
+SAVE_FAILED = 1000
+
+
+class _LogWindow:
+    """The steps since the last log line: where they began, when, and their summed loss (on the device)."""
+
+    def __init__(self, step: int, device: torch.device):
+        self.start_step, self.device = step, device
+        self.reset(step)
+
+    def reset(self, step: int) -> None:
+        self.step, self.time = step, time.perf_counter()
+        self.loss_sum = torch.zeros((), device=self.device)
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.loss_sum += loss

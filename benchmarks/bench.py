@@ -1,7 +1,7 @@
 """Training speed, mode by mode: tokens/s, ms/step, MFU, data-loading share and snapshot stall.
 
     python benchmarks/bench.py --data data/tinyshakespeare/input.txt            # CPU table (~5 min on 2 cores)
-    python benchmarks/bench.py --recipe gpu-shakespeare --data ...               # on a GPU machine
+    python benchmarks/bench.py --recipe shakespeare-gpu --data ...               # on a GPU machine
     python benchmarks/bench.py --smoke --data ...                                # seconds: what CI runs
 
 Every mode is a real, short training run of main.py (torchrun for the multi-process
@@ -46,13 +46,19 @@ import torch  # noqa: E402
 from metrics import MetricsLog  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
-# name: (n_layer, n_head, n_embd, block_size, global batch, dropout); the first is nanoGPT's CPU recipe.
-RECIPES = {
-    "cpu": (4, 4, 128, 64, 12, 0.0),
-    "gpu-shakespeare": (6, 6, 384, 256, 64, 0.2),  # nanoGPT's shakespeare_char
-    "gpt2": (12, 12, 768, 1024, 16, 0.0),  # GPT-2 small's shape (vocabulary: the corpus's characters)
-    "smoke": (2, 2, 32, 32, 8, 0.0),
-}
+# Recipes are the `recipe` config group (config.py): the shape, context and batch each sets, composed
+# the way main.py composes them. Their batch is the global batch of every mode here.
+RECIPES = ["nanogpt-cpu", "shakespeare-gpu", "gpt2-gpu"]
+SMOKE = ["model=tiny", "data_config.block_size=32", "trainer_config.batch_size=8"]
+
+
+def recipe_shape(overrides: list[str]) -> tuple:
+    """(n_layer, n_head, n_embd, block_size, global batch, dropout) of a composed config."""
+    from main import compose, to_job
+
+    job = to_job(compose(overrides))
+    g, t = job.gpt_config, job.trainer_config
+    return g.n_layer, g.n_head, g.n_embd, job.data_config.block_size, t.batch_size, g.dropout
 # name: (processes, trainer_config overrides)
 CPU_MODES = [
     ("single process", 1, {"parallel": "none"}),
@@ -168,7 +174,7 @@ def markdown_table(rows: list[dict]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data", default=os.path.join(REPO, "data", "tinyshakespeare", "input.txt"))
-    parser.add_argument("--recipe", choices=[r for r in RECIPES if r != "smoke"], default="cpu")
+    parser.add_argument("--recipe", choices=RECIPES, default="nanogpt-cpu", help="a recipe=... config group option")
     parser.add_argument("--steps", type=int, default=120, help="optimizer steps per mode")
     parser.add_argument("--log-every", type=int, default=10, help="steps per timed window")
     parser.add_argument("--modes", default="", help="comma-separated substrings: run only the modes that match")
@@ -180,7 +186,7 @@ def main() -> int:
     if not os.path.exists(args.data):
         sys.exit(f"error: no corpus at {args.data}; run python data/fetch_shakespeare.py or pass --data")
     recipe_name = "smoke" if args.smoke else args.recipe
-    recipe = RECIPES[recipe_name]
+    recipe = recipe_shape(SMOKE if args.smoke else [f"recipe={args.recipe}"])
     steps, log_every = (8, 2) if args.smoke else (args.steps, args.log_every)
     modes = SMOKE_MODES if args.smoke else GPU_MODES if torch.cuda.is_available() else CPU_MODES
     if args.modes:

@@ -51,7 +51,7 @@ def worker(args) -> None:
     model = GPT(GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=data.vocab_size, block_size=64))
     global_batch = 12
     tcfg = TrainerConfig(batch_size=global_batch // ctx.world_size, parallel=args.parallel, use_amp=args.amp,
-                         metrics_path="", snapshot_path=args.snapshots)
+                         metrics_path="none", snapshot_path=args.snapshots)
     trainer = Trainer(model, data, tcfg, OptimizerConfig(), ctx, {"gpt_config": vars(model.config)},
                       SnapshotStore(args.snapshots))
     trainer.train_step()  # warm-up; creates the optimizer state

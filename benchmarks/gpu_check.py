@@ -14,7 +14,7 @@ The matrix, adapted to the number of GPUs G (1 is the common case):
 - cross-format resume (DDP snapshot -> FSDP -> one process), `snapshot.py consolidate`, and
   sample.py on the GPU;
 - the CPU suite with the GPU hidden (CUDA_VISIBLE_DEVICES=), fast subset unless --full;
-- `bench.py --recipe gpu-shakespeare` (ms/step, tokens/s, MFU).
+- `bench.py --recipe shakespeare-gpu` (ms/step, tokens/s, MFU).
 Writes JSON (default benchmarks/results/gpu_check.json) beside the table.
 """
 
@@ -185,8 +185,8 @@ def main() -> int:
                                                          os.path.join(REPO, "tests")],
                       expect=" passed", env={"CUDA_VISIBLE_DEVICES": ""}, timeout=3600,
                       numbers=lambda out: re.findall(r"\d+ passed[^\n]*", out)[-1])
-            m.command("bench.py --recipe gpu-shakespeare",
-                      [sys.executable, os.path.join(REPO, "benchmarks", "bench.py"), "--recipe", "gpu-shakespeare",
+            m.command("bench.py --recipe shakespeare-gpu",
+                      [sys.executable, os.path.join(REPO, "benchmarks", "bench.py"), "--recipe", "shakespeare-gpu",
                        "--data", data, "--out", os.path.join(work, "bench.json")], expect="| mode |",
                       numbers=lambda out: "; ".join(line.strip("| ") for line in out.splitlines()
                                                     if line.startswith("| ") and "mode" not in line)[:300])

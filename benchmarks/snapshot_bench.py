@@ -62,7 +62,7 @@ def make_trainer(dataset: CharDataset, shape: tuple[int, int, int], url: str, as
     gcfg = GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd,
                      vocab_size=dataset.vocab_size, block_size=dataset.config.block_size)
     torch.manual_seed(0)
-    tcfg = TrainerConfig(batch_size=batch_size, async_save=async_save, metrics_path="", s3_endpoint_url=endpoint)
+    tcfg = TrainerConfig(batch_size=batch_size, async_save=async_save, metrics_path="none", s3_endpoint_url=endpoint)
     ctx = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     store = SnapshotStore(url, keep_last=2, s3_endpoint_url=endpoint)
     store.check_writable()

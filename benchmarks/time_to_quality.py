@@ -29,21 +29,14 @@ sys.path.insert(0, REPO)
 
 from metrics import MetricsLog  # noqa: E402
 
-# Hydra overrides on top of gpt2_train_cfg.yaml (4 layers x 4 heads x 128 wide, context 64, dropout 0).
+# The recipes are config groups (config.py: recipe=nanogpt-cpu, recipe=fast-cpu), so main.py can
+# train them on their own too; smoke is a seconds-long check for CI.
 RECIPES = {
-    # nanoGPT's CPU recipe as its README gives it: batch 12, 2000 steps, lr 1e-3 -> 1e-4.
-    "nanogpt-cpu": {"data_config.block_size": 64, "trainer_config.batch_size": 12, "trainer_config.max_steps": 2000,
-                    "optimizer_config.learning_rate": 1e-3, "optimizer_config.warmup_steps": 100,
-                    "trainer_config.eval_every": 50, "trainer_config.eval_iters": 20},
-    # The same model, twice the batch and six times the learning rate on a 700-step cosine:
-    # fewer, better-used steps (a batch of 24 also runs the matmuls closer to peak).
-    "fast-cpu": {"data_config.block_size": 64, "trainer_config.batch_size": 24, "trainer_config.max_steps": 700,
-                 "optimizer_config.learning_rate": 6e-3, "optimizer_config.warmup_steps": 50,
-                 "trainer_config.eval_every": 50, "trainer_config.eval_iters": 10},
-    "smoke": {"trainer_config.batch_size": 8, "trainer_config.max_steps": 100, "trainer_config.eval_every": 10,
-              "optimizer_config.learning_rate": 1e-2, "optimizer_config.warmup_steps": 5,
-              "trainer_config.eval_iters": 2, "gpt_config.n_layer": 1, "gpt_config.n_embd": 32,
-              "gpt_config.n_head": 2, "data_config.block_size": 32},
+    "nanogpt-cpu": ["recipe=nanogpt-cpu"],
+    "fast-cpu": ["recipe=fast-cpu"],
+    "smoke": ["model=tiny", "data_config.block_size=32", "trainer_config.batch_size=8", "trainer_config.max_steps=100",
+              "trainer_config.eval_every=10", "trainer_config.eval_iters=2", "optimizer_config.learning_rate=1e-2",
+              "optimizer_config.warmup_steps=5"],
 }
 
 
@@ -57,18 +50,19 @@ def main() -> int:
     args = parser.parse_args()
     if not os.path.exists(args.data):
         sys.exit(f"error: no corpus at {args.data}; run python data/fetch_shakespeare.py or pass --data")
-    overrides = dict(RECIPES[args.recipe])
-    batch = overrides["trainer_config.batch_size"]
+    from main import compose, to_job  # the recipe as main.py composes it: its batch and context
+
+    job = to_job(compose(RECIPES[args.recipe]))
+    batch, block = job.trainer_config.batch_size, job.data_config.block_size
     if batch % args.nproc:
         sys.exit(f"error: the recipe's batch of {batch} does not split over {args.nproc} processes")
-    overrides["trainer_config.batch_size"] = batch // args.nproc
     with tempfile.TemporaryDirectory(prefix="ttq-") as run_dir:
-        overrides.update({"data_config.path": args.data, "trainer_config.target_val_loss": args.target,
-                          "trainer_config.sample_chars": 0, "trainer_config.save_every": 100_000,
-                          "trainer_config.parallel": "none" if args.nproc == 1 else "ddp",
-                          "trainer_config.snapshot_path": f"{run_dir}/snapshots",
-                          "trainer_config.metrics_path": f"{run_dir}/metrics.jsonl"})
-        command = main_command(args.nproc, [f"{k}={v}" for k, v in overrides.items()])
+        overrides = RECIPES[args.recipe] + [
+            f"trainer_config.batch_size={batch // args.nproc}", f"data_config.path={args.data}",
+            f"trainer_config.target_val_loss={args.target}", "trainer_config.sample_chars=0",
+            "trainer_config.save_every=100000", f"parallel={'none' if args.nproc == 1 else 'ddp'}",
+            f"trainer_config.run_dir={run_dir}"]
+        command = main_command(args.nproc, overrides)
         t0 = time.perf_counter()
         result = subprocess.run(command, capture_output=True, text=True)
         wall = time.perf_counter() - t0
@@ -77,7 +71,7 @@ def main() -> int:
         evals = [r for r in MetricsLog.read(f"{run_dir}/metrics.jsonl") if "val_loss" in r]
     reached = next((r for r in evals if r["val_loss"] <= args.target), None)
     final = reached or evals[-1]
-    tokens = final["step"] * batch * overrides["data_config.block_size"]
+    tokens = final["step"] * batch * block
     report = {"recipe": args.recipe, "processes": args.nproc, "target": args.target, "reached": reached is not None,
               "val_loss": final["val_loss"], "step": final["step"], "tokens": tokens, "wall_s": round(wall, 1)}
     verdict = "reached" if reached else "NOT reached"

@@ -43,10 +43,9 @@ TINY = ["gpt_config.n_layer=2", "gpt_config.n_head=2", "gpt_config.n_embd=32", "
 
 
 def tiny_overrides(data: Path, run_dir: Path, **trainer) -> list[str]:
-    """Hydra overrides for a tiny run writing under run_dir."""
+    """Hydra overrides for a tiny run writing under run_dir (its snapshots/, metrics.jsonl, prepared/)."""
     args = TINY + [f"data_config.path={data}", f"data_config.cache_dir={run_dir / 'prepared'}",
-                   f"trainer_config.snapshot_path={run_dir / 'snapshots'}",
-                   f"trainer_config.metrics_path={run_dir / 'metrics.jsonl'}"]
+                   f"trainer_config.run_dir={run_dir}"]  # snapshots/ and metrics.jsonl go under it
     return args + [f"trainer_config.{k}={v}" for k, v in trainer.items()]
 
 

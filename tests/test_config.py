@@ -1,64 +1,87 @@
-"""Configuration: the YAML, strict keys, types and ranges, and how main.py reports mistakes."""
+"""Configuration as a user meets it: one schema (the dataclasses) behind Hydra, config groups, --help,
+one kind of message for a wrong key or type wherever it is written, sweeps that run every job."""
 
-from pathlib import Path
+import dataclasses
+import shutil
+import subprocess
+import sys
 
 import pytest
-import yaml
 
-from char_dataset import DataConfig
-from config import ConfigError, build_config, build_section
+import config
 from conftest import REPO, run_main, tiny_overrides
-from main import SCHEMA
-from train_config import OptimizerConfig, TrainerConfig
+from main import compose, to_job
+from metrics import MetricsLog
+from model import MODEL_SIZES
+from train_config import OptimizerConfig
 
 
-def yaml_sections() -> dict:
-    raw = yaml.safe_load((REPO / "gpt2_train_cfg.yaml").read_text())
-    return {k: v for k, v in raw.items() if k not in ("hydra", "defaults")}
+def key_error_lines(stderr: str) -> list[str]:
+    """The lines of Hydra's report that name the problem (its first line says where it was found)."""
+    return [line.strip() for line in stderr.splitlines() if line.strip().startswith(("Key ", "full_key:"))]
 
 
-def test_the_shipped_yaml_builds_every_section():
-    cfg = build_config(yaml_sections(), SCHEMA)
-    assert set(cfg) == {"data_config", "gpt_config", "optimizer_config", "trainer_config"}
-    assert cfg["gpt_config"].n_embd % cfg["gpt_config"].n_head == 0
+def test_a_misspelled_key_gives_the_same_message_on_the_command_line_and_in_the_yaml(shakespeare, tmp_path):
+    cli = run_main(tiny_overrides(shakespeare, tmp_path) + ["trainer_config.max_step=5"])
+    # The same typo in a YAML file: a copy of the repository's config with one key misspelled.
+    (tmp_path / "conf").mkdir()
+    yaml = (REPO / "gpt2_train_cfg.yaml").read_text()
+    (tmp_path / "conf" / "typo.yaml").write_text(yaml + "\ntrainer_config:\n  max_step: 5\n")
+    in_yaml = run_main(tiny_overrides(shakespeare, tmp_path) + ["--config-dir", str(tmp_path / "conf"),
+                                                                "--config-name", "typo"])
+    for result in (cli, in_yaml):
+        assert result.returncode == 1 and "Traceback" not in result.stderr
+        assert key_error_lines(result.stderr) == ["Key 'max_step' not in 'TrainerConfig'",
+                                                  "full_key: trainer_config.max_step"]
+    assert not (tmp_path / "snapshots").exists()
 
 
-def test_yaml_defaults_match_the_dataclass_defaults():
-    # One source of truth for readers: the YAML shows the defaults the code has.
-    sections = yaml_sections()
-    for name, cls in SCHEMA.items():
-        for key, value in sections[name].items():
-            assert getattr(cls(), key) == value, f"{name}.{key}"
+def test_a_value_of_the_wrong_type_is_refused_naming_the_key(shakespeare, tmp_path):
+    result = run_main(tiny_overrides(shakespeare, tmp_path) + ["trainer_config.max_steps=many"])
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "Value 'many' of type 'str' could not be converted to Integer" in result.stderr
+    assert "full_key: trainer_config.max_steps" in result.stderr
 
 
-def test_unknown_key_is_named_with_a_suggestion():
-    with pytest.raises(ConfigError, match=r"unknown config key trainer_config\.max_step .*'max_steps'"):
-        build_section(TrainerConfig, {"max_step": 5})
-
-
-def test_unknown_section_is_named():
-    with pytest.raises(ConfigError, match="unknown config section 'trainer_cfg'"):
-        build_config({"trainer_cfg": {}}, SCHEMA)
-
-
-def test_wrong_type_is_named():
-    with pytest.raises(ConfigError, match="trainer_config.max_steps must be of type int"):
-        build_section(TrainerConfig, {"max_steps": "many"})
-
-
-def test_ints_are_accepted_for_float_fields():
-    assert build_section(OptimizerConfig, {"learning_rate": 1}).learning_rate == 1.0
-
-
-@pytest.mark.parametrize("section, values, needle", [
-    (DataConfig, {"train_split": 1.0}, "train_split must be in"),
-    (DataConfig, {"block_size": 0}, "block_size must be positive"),
-    (TrainerConfig, {"batch_size": 0}, "batch_size must be positive"),
-    (OptimizerConfig, {"min_lr": 1.0, "learning_rate": 0.1}, "min_lr"),
+@pytest.mark.parametrize("override, needle", [
+    ("data_config.train_split=1.0", "data_config.train_split must be in (0, 1), got 1.0"),
+    ("trainer_config.batch_size=0", "trainer_config.batch_size must be positive, got 0"),
+    ("gpt_config.n_head=3", "gpt_config.n_embd (32) must be divisible by gpt_config.n_head (3)"),
+    ("optimizer_config.min_lr=1.0", "optimizer_config: need learning_rate > 0 and 0 <= min_lr <= learning_rate"),
 ])
-def test_out_of_range_values_are_config_errors(section, values, needle):
-    with pytest.raises(ConfigError, match=needle):
-        build_section(section, values)
+def test_an_out_of_range_value_is_one_line_naming_the_key(override, needle, shakespeare, tmp_path):
+    result = run_main(tiny_overrides(shakespeare, tmp_path) + [override])
+    assert result.returncode == 1 and result.stderr.strip() == f"error: {needle}"
+
+
+def test_groups_compose_and_the_command_line_wins():
+    job = to_job(compose(["model=gpt-mini", "parallel=fsdp"]))
+    assert (job.gpt_config.n_layer, job.gpt_config.n_head, job.gpt_config.n_embd) == MODEL_SIZES["gpt-mini"]
+    assert job.trainer_config.parallel == "fsdp"
+    gpu = to_job(compose(["recipe=shakespeare-gpu"]))  # a recipe picks its model...
+    assert gpu.gpt_config.n_embd == MODEL_SIZES["baby-gpt"][2] and gpu.data_config.block_size == 256
+    assert gpu.trainer_config.use_amp and gpu.trainer_config.compile and gpu.gpt_config.dropout == 0.2
+    mine = to_job(compose(["recipe=shakespeare-gpu", "model=gpt2", "trainer_config.batch_size=8"]))
+    assert mine.gpt_config.n_layer == 12 and mine.trainer_config.batch_size == 8  # ...the command line wins
+    star = to_job(compose(["parallel=ddp-star"]))
+    assert (star.trainer_config.parallel, star.trainer_config.grad_reduce) == ("ddp", "via_rank0")
+
+
+def test_the_default_run_is_the_dataclass_defaults():
+    # One place for defaults: the YAML selects groups, it does not repeat values.
+    job, defaults = to_job(compose([])), to_job(compose(["model=gpt-micro"]))
+    for name, cls in config.sections().items():
+        assert getattr(job, name) == getattr(defaults, name) == cls(), name
+
+
+def test_help_lists_the_groups_and_what_every_key_means():
+    out = subprocess.run([sys.executable, str(REPO / "main.py"), "--help"], capture_output=True, text=True).stdout
+    assert "parallel=fsdp:" in out and "recipe=shakespeare-gpu:" in out and "gpt-mini (6x6x192)" in out
+    for name, cls in config.sections().items():
+        for key, doc in config.field_docs(cls).items():
+            assert f"{name}.{key} (" in out and doc in out, f"{name}.{key}"
+    for cls in config.sections().values():  # every key has its docstring
+        assert set(config.field_docs(cls)) == {f.name for f in dataclasses.fields(cls)}, cls.__name__
 
 
 def test_learning_rate_warms_up_then_decays_to_min_lr():
@@ -69,22 +92,8 @@ def test_learning_rate_warms_up_then_decays_to_min_lr():
     assert cfg.lr_at(100, 100) == pytest.approx(1e-4)
 
 
-def test_main_rejects_a_misspelled_key_before_training(shakespeare, tmp_path):
-    result = run_main(tiny_overrides(shakespeare, tmp_path) + ["+trainer_config.max_step=5"])
-    assert result.returncode == 2
-    assert "unknown config key trainer_config.max_step (did you mean 'max_steps'?)" in result.stderr
-    assert "Traceback" not in result.stderr
-    assert not (tmp_path / "snapshots").exists()
-
-
-def test_main_rejects_an_override_of_a_key_the_yaml_lacks(shakespeare, tmp_path):
-    result = run_main(tiny_overrides(shakespeare, tmp_path) + ["trainer_config.max_step=5"])
-    assert result.returncode != 0
-    assert "trainer_config.max_step" in result.stderr
-
-
 def test_main_reports_a_missing_dataset_in_one_line(tmp_path):
-    result = run_main(tiny_overrides(Path(tmp_path / "missing.txt"), tmp_path))
+    result = run_main(tiny_overrides(tmp_path / "missing.txt", tmp_path))
     assert result.returncode == 1
     assert result.stderr.strip().startswith("error: data_config.path: no file at")
     assert "Traceback" not in result.stderr
@@ -100,8 +109,103 @@ def test_main_reports_an_unwritable_snapshot_path_before_training(shakespeare, t
     assert "step " not in result.stdout
 
 
+SWEEP = ["--multirun", "optimizer_config.learning_rate=1e-3,3e-3", "model=tiny,gpt-nano",
+         "trainer_config.save_every=5", "trainer_config.eval_every=10", "trainer_config.sample_chars=0"]
+
+
+def test_a_sweep_job_directory_name_stays_one_short_name_and_is_the_same_on_a_rerun():
+    short = "model=tiny,optimizer_config.learning_rate=0.001"
+    assert config.path_safe(short) == short
+    assert config.path_safe("data_config.path=/data/a.txt") == "data_config.path=_data_a.txt"  # no nesting
+    long_a = "data_config.path=/" + "d" * 300 + ",optimizer_config.learning_rate=0.001"
+    long_b = long_a.replace("0.001", "0.003")  # differs only past the cut
+    name_a = config.path_safe(long_a)
+    assert len(name_a) <= 120 and "/" not in name_a  # well under the 255-byte file-name limit
+    assert name_a == config.path_safe(long_a) != config.path_safe(long_b)
+
+
+@pytest.mark.slow
+def test_a_sweep_runs_every_job_in_its_own_directory_and_a_rerun_resumes_each(shakespeare, tmp_path):
+    args = SWEEP + [f"data_config.path={shakespeare}", f"data_config.cache_dir={tmp_path / 'prepared'}",
+                    f"hydra.sweep.dir={tmp_path / 'sweep'}", "trainer_config.max_steps=10", "trainer_config.device=cpu"]
+    first = run_main(args)
+    assert first.returncode == 0, first.stderr[-2000:]
+    jobs = sorted(p.parent for p in (tmp_path / "sweep").glob("*/metrics.jsonl"))  # one level: no nested names
+    assert len(jobs) == 4 and first.stdout.count("done | step 10") == 4
+    assert all([r["step"] for r in MetricsLog.read(str(job / "metrics.jsonl"))] == [10] for job in jobs)
+    # Rerun with more steps (max_steps does not name the job): each job resumes from its own snapshot.
+    second = run_main(args[:-2] + ["trainer_config.max_steps=20", "trainer_config.device=cpu"])
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert second.stdout.count("resume | step 10 |") == 4 and second.stdout.count("done | step 20") == 4
+    assert sorted(p.parent for p in (tmp_path / "sweep").glob("*/metrics.jsonl")) == jobs
+    assert all([r["step"] for r in MetricsLog.read(str(job / "metrics.jsonl"))] == [10, 20] for job in jobs)
+
+
+@pytest.mark.slow
+def test_a_sweep_killed_in_its_second_job_resumes_that_job_and_keeps_the_first(shakespeare, tmp_path):
+    from conftest import kill_tree, wait_for_line
+
+    args = SWEEP + [f"data_config.path={shakespeare}", f"data_config.cache_dir={tmp_path / 'prepared'}",
+                    f"hydra.sweep.dir={tmp_path / 'sweep'}", "trainer_config.max_steps=30", "trainer_config.device=cpu"]
+    job = subprocess.Popen([sys.executable, str(REPO / "main.py"), *args], cwd=REPO, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, env={**__import__("os").environ, "PYTHONUNBUFFERED": "1"})
+    lines = wait_for_line(job, "done | step 30")  # the first job finished...
+    lines += wait_for_line(job, "snapshot | step 10")  # ...and the second has a snapshot: kill it now
+    kill_tree(job)
+    second_job_dir = [line for line in lines if line.startswith("resume | no snapshot under")][1].split(" under ")[1]
+    rerun = run_main(args)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    out = rerun.stdout
+    assert out.count("nothing to do") == 1  # the finished job is not trained again
+    assert f"from {second_job_dir.split(' | ')[0]}" in out and "resume | step 10 |" in out  # the killed one resumes
+    assert out.count("starting fresh at step 0") == 2 and out.count("done | step 30") == 3
+
+
+@pytest.mark.slow
+def test_a_sweep_with_a_failing_job_runs_the_others_and_exits_non_zero(shakespeare, tmp_path):
+    args = ["--multirun", "data_config.block_size=32,200000", f"data_config.path={shakespeare}",
+            f"data_config.cache_dir={tmp_path / 'prepared'}", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+            "model=tiny", "trainer_config.max_steps=2", "trainer_config.sample_chars=0", "trainer_config.device=cpu"]
+    result = run_main(args)
+    assert result.returncode == 1
+    assert "done | step 2" in result.stdout and "error: data_config.train_split" in result.stderr
+
+
+@pytest.mark.slow
+def test_a_sweep_refuses_a_snapshot_path_every_job_would_share(shakespeare, tmp_path):
+    args = ["--multirun", "optimizer_config.learning_rate=1e-3,3e-3", f"data_config.path={shakespeare}",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}", f"trainer_config.snapshot_path={tmp_path / 'shared'}"]
+    result = run_main(args)
+    assert result.returncode == 1 and "would be shared by every job of this sweep" in result.stderr
+    assert not (tmp_path / "shared").exists()
+
+
+@pytest.mark.slow
+def test_multirun_under_torchrun_is_refused_in_one_line(shakespeare, tmp_path):
+    result = run_main(["--multirun", *tiny_overrides(shakespeare, tmp_path), "optimizer_config.learning_rate=1e-3,3e-3",
+                       f"hydra.sweep.dir={tmp_path / 'sweep'}"], nproc=2)
+    assert result.returncode != 0
+    assert "error: --multirun under torchrun" in result.stderr
+    assert not list(tmp_path.glob("sweep/*/snapshots"))
+
+
 def test_ci_runs_the_test_command_the_readme_gives():
     readme, ci = (REPO / "README.md").read_text(), (REPO / ".ci" / "run").read_text()
     command = readme.split("## Tests", 1)[1].split("```bash\n", 1)[1].split("\n", 1)[0]
     assert command == "python3 -m pytest -q"
     assert any(line.split("#")[0].strip() == command for line in ci.splitlines())
+
+
+def test_no_stray_config_file_beside_the_main_one():
+    # One top-level config; GPU settings, model sizes and recipes are config groups.
+    assert sorted(p.name for p in REPO.glob("*.yaml")) == ["gpt2_train_cfg.yaml"]
+    assert shutil.which("git") is None or "gpt2_train_cfg_gpu.yaml" not in subprocess.run(
+        ["git", "-C", str(REPO), "ls-files"], capture_output=True, text=True).stdout
+
+
+def test_the_configuration_reference_names_every_key():
+    rows = [line for line in (REPO / "docs" / "configuration.md").read_text().splitlines() if line.startswith("| `")]
+    for section, cls in config.sections().items():
+        for key in (f.name for f in dataclasses.fields(cls)):
+            assert any(f"`{section}." in row and (f".{key}`" in row or f"`{key}`" in row) for row in rows), \
+                f"docs/configuration.md does not describe {section}.{key}"

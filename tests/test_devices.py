@@ -11,7 +11,7 @@ from char_dataset import CharDataset, DataConfig
 from config import ConfigError
 from distributed import DistContext, backend_for, choose_device
 from model import GPT, GPTConfig
-from parallel import check_supported, set_tf32
+from parallel import Plan, check_supported, set_tf32
 from snapshot import SnapshotStore
 from train_config import OptimizerConfig, TrainerConfig
 from trainer import Trainer
@@ -52,14 +52,14 @@ def test_gpu_jobs_get_gloo_beside_nccl_for_cpu_tensors():
 def test_fsdp_cpu_offload_is_for_gpu_jobs_and_refused_on_the_cpu():
     cpu = DistContext(rank=0, local_rank=0, world_size=2, device=torch.device("cpu"))
     with pytest.raises(ConfigError, match="fsdp_cpu_offload=true .* needs parallel=fsdp on GPUs"):
-        check_supported("fsdp", False, "bf16", cpu, cpu_offload=True)
+        check_supported(Plan(parallel="fsdp", cpu_offload=True), cpu)
     gpu = DistContext(rank=0, local_rank=0, world_size=2, device=torch.device("cuda", 0))
-    check_supported("fsdp", True, "fp16", gpu, cpu_offload=True)  # fp16 under FSDP is allowed too
+    check_supported(Plan(parallel="fsdp", use_amp=True, amp_dtype="fp16", cpu_offload=True), gpu)  # fp16 too
 
 
 def test_tf32_is_a_gpu_setting_that_leaves_cpu_matmuls_alone():
     before = torch.get_float32_matmul_precision()
-    set_tf32(torch.device("cpu"), True)
+    set_tf32(Plan(tf32=True), torch.device("cpu"))
     assert torch.get_float32_matmul_precision() == before == "highest"
 
 
@@ -80,7 +80,7 @@ def tiny_trainer(tmp_path, shakespeare, **trainer) -> Trainer:
                           log=lambda _: None)
     gcfg = GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=dataset.vocab_size, block_size=16)
     torch.manual_seed(0)
-    tcfg = TrainerConfig(batch_size=4, metrics_path="", **trainer)
+    tcfg = TrainerConfig(batch_size=4, metrics_path="none", **trainer)
     ctx = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     store = SnapshotStore(str(tmp_path / "snapshots"))
     return Trainer(GPT(gcfg), dataset, tcfg, OptimizerConfig(grad_clip=1.0), ctx, {"gpt_config": vars(gcfg)}, store)

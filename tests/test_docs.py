@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, free_port
-from main import SCHEMA
+from config import sections
 
 READMES = [REPO / "README.md", REPO / "README.zh-CN.md"]
 DOCS = sorted((REPO / "docs").glob("*.md")) + sorted((REPO / "docs" / "zh-CN").glob("*.md"))
@@ -32,7 +32,7 @@ MARKERS = ("runnable", "syntax-only", "test-command", "slurm-command")
 BLOCK = re.compile(r"(?:<!-- ([\w-]+) -->\n)?```bash\n(.*?)```", re.S)
 CODE_LINK = re.compile(r"\[`([^`]+)`\]\(([\w./-]+\.py)#L(\d+)\)")
 # Tiny stand-ins for the run's size; step counts are scaled instead (see scaled()).
-TINY = {"gpt_config.n_layer": "1", "gpt_config.n_head": "2", "gpt_config.n_embd": "32", "gpt_config.preset": "",
+TINY = {"gpt_config.n_layer": "1", "gpt_config.n_head": "2", "gpt_config.n_embd": "32",
         "data_config.block_size": "32", "trainer_config.batch_size": "4", "trainer_config.eval_iters": "2",
         "trainer_config.sample_chars": "20", "trainer_config.eval_every": "5", "trainer_config.save_every": "5",
         "trainer_config.log_every": "5"}
@@ -55,8 +55,8 @@ def overrides_of(words: list[str]) -> dict[str, str]:
 def check_keys(overrides: dict[str, str]) -> None:
     for key in overrides:
         section, name = key.split(".", 1)
-        assert section in SCHEMA, f"{key}: no config section {section!r}"
-        assert name in {f.name for f in fields(SCHEMA[section])}, f"{key}: {section} has no key {name!r}"
+        assert section in sections(), f"{key}: no config section {section!r}"
+        assert name in {f.name for f in fields(sections()[section])}, f"{key}: {section} has no key {name!r}"
 
 
 def scaled(words: list[str]) -> list[str]:

@@ -7,7 +7,7 @@ import torch
 from torch.nn import functional as F
 
 from config import ConfigError
-from model import GPT, PRESETS, GPTConfig
+from model import GPT, MODEL_SIZES, GPTConfig
 
 
 def tiny(**kw) -> GPT:
@@ -99,16 +99,16 @@ def test_optimizer_decays_matrices_but_not_biases_or_layernorm():
     assert opt.defaults["fused"]
 
 
-def test_presets_set_the_shape():
-    cfg = GPTConfig(preset="gpt-mini")
-    assert (cfg.n_layer, cfg.n_head, cfg.n_embd) == PRESETS["gpt-mini"] == (6, 6, 192)
+def test_every_named_size_builds_a_valid_shape():
+    for name, (n_layer, n_head, n_embd) in MODEL_SIZES.items():
+        GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd)  # heads divide the width
+    assert MODEL_SIZES["gpt-micro"] == (GPTConfig().n_layer, GPTConfig().n_head, GPTConfig().n_embd)  # the default
 
 
 @pytest.mark.parametrize("kwargs, needle", [
     ({"n_embd": 100, "n_head": 3}, "divisible"),
     ({"n_layer": 0}, "n_layer must be positive"),
     ({"dropout": 1.5}, "dropout"),
-    ({"preset": "gpt-huge"}, "unknown preset"),
 ])
 def test_invalid_shapes_are_config_errors(kwargs, needle):
     with pytest.raises(ConfigError, match=needle):

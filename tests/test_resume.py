@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 
 import pytest
 import torch
@@ -20,9 +19,11 @@ from snapshot import MANIFEST, SnapshotStore
 pytestmark = pytest.mark.slow
 
 
-def start_job(args, nproc=2) -> subprocess.Popen:
-    return subprocess.Popen(torchrun_cmd(nproc, *args), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+def start_job(args, nproc=2, script=REPO / "main.py", env=None) -> subprocess.Popen:
+    cmd = torchrun_cmd(nproc, *args)
+    cmd[cmd.index(str(REPO / "main.py"))] = str(script)
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
 
 
 def final_weights(run_dir):
@@ -50,24 +51,17 @@ def straight_run(shakespeare, tmp_path_factory):
 
 
 def test_sigkill_while_a_snapshot_is_being_written_keeps_the_previous_one(shakespeare, tmp_path):
-    # A wider model makes each snapshot ~40 MB, so the write takes long enough to be caught.
-    args = tiny_overrides(shakespeare, tmp_path, max_steps=40, save_every=5) + \
-        ["gpt_config.n_embd=256", "gpt_config.n_layer=4", "gpt_config.n_head=4"]
+    args = tiny_overrides(shakespeare, tmp_path, max_steps=40, save_every=5)
     snap_dir = tmp_path / "snapshots"
-    job, caught = start_job(args), None
-    deadline = time.monotonic() + 120
-    while caught is None and job.poll() is None and time.monotonic() < deadline:
-        if snap_dir.exists():  # a temp file of the step-10-or-later snapshot: it is being written now
-            caught = next((n for n in os.listdir(snap_dir)
-                           if n.startswith(".snapshot_") and n.endswith(".tmp") and not n.startswith(".snapshot_0000000")), None)
-    committed = [e["step"] for e in json.loads((snap_dir / MANIFEST).read_text())["snapshots"]] if caught else []
+    # Rank 0 stops half-way through writing the step-10 snapshot (tests/faulty_main.py), and is killed there.
+    job = start_job(args, script=REPO / "tests" / "faulty_main.py", env={"FAULT": "block_write:0:10"})
+    wait_for_line(job, "fault | rank 0 | blocked half-way through writing snapshot_00000010.pt")
     kill_tree(job)
-    if caught is None:
-        pytest.skip("the job finished before a snapshot write could be caught")  # not seen on 2 cores
-    assert any(n.endswith(".tmp") for n in os.listdir(snap_dir))  # it really died mid-write
+    assert any(n.startswith(".snapshot_00000010.pt.") and n.endswith(".tmp") for n in os.listdir(snap_dir))
+    assert [e["step"] for e in json.loads((snap_dir / MANIFEST).read_text())["snapshots"]] == [5]  # not committed
     resumed = run_main(args)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resume | step {committed[-1]} |" in resumed.stdout
+    assert "resume | step 5 |" in resumed.stdout
     assert SnapshotStore(str(snap_dir)).load_latest()["step"] == 40
 
 

@@ -87,12 +87,14 @@ def test_loading_refuses_pickled_code(tmp_path, capsys):
     assert "pwned" not in capsys.readouterr().out
 
 
-def test_fsspec_memory_urls_work():
+def test_fsspec_urls_save_load_and_keep_only_the_newest(tmp_path):
     store = SnapshotStore("memory://snapshots/run1", keep_last=1)
     store.check_writable()
     store.save(state(5), 5)
     store.save(state(6), 6)
     assert store.load_latest()["step"] == 6
+    assert sorted(store.storage.list()) == ["latest.json", "snapshot_00000006.pt"]  # step 5 deleted, no probe left
+    assert [e["step"] for e in json.loads(store.storage.read(MANIFEST))["snapshots"]] == [6]
 
 
 def test_unwritable_location_fails_the_probe_with_the_setting_named(tmp_path):

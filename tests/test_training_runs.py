@@ -110,9 +110,9 @@ def test_metrics_record_data_time_and_each_snapshot_stall(shakespeare, tmp_path)
 def test_tensorboard_switch_writes_event_files_with_the_logged_scalars(shakespeare, tmp_path):
     event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
     result = run_main(tiny_overrides(shakespeare, tmp_path, max_steps=10, eval_every=10, log_every=5,
-                                     tensorboard_dir=tmp_path / "tb"))
+                                     tensorboard="true"))
     assert result.returncode == 0, result.stderr
-    events = event_accumulator.EventAccumulator(str(tmp_path / "tb"))
+    events = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"))  # under the run's run_dir
     events.Reload()
     assert {"train_loss", "val_loss", "tokens_per_sec", "snapshot/stall_ms"} <= set(events.Tags()["scalars"])
     assert [e.step for e in events.Scalars("train_loss")] == [5, 10]

@@ -65,7 +65,7 @@ def test_single_process_and_ddp_versions_learn_the_same_line():
 def test_spawn_launch_trains_main_py_without_torchrun_and_fails_loudly_on_a_bad_key(shakespeare, tmp_path):
     script = str(TUTORIALS / "spawn_launch.py")
     args = [f"data_config.path={shakespeare}", "trainer_config.max_steps=10", "trainer_config.eval_every=10",
-            f"trainer_config.snapshot_path={tmp_path / 'snapshots'}", f"trainer_config.metrics_path={tmp_path / 'm.jsonl'}",
+            f"trainer_config.run_dir={tmp_path}",
             "trainer_config.sample_chars=0", "gpt_config.n_layer=1", "gpt_config.n_embd=32", "gpt_config.n_head=2"]
     result = subprocess.run([sys.executable, script, "--nproc", "2", *args], capture_output=True, text=True,
                             timeout=180, cwd=tmp_path)
@@ -73,4 +73,5 @@ def test_spawn_launch_trains_main_py_without_torchrun_and_fails_loudly_on_a_bad_
     assert "job | world size 2 | backend gloo" in result.stdout and "done | step 10" in result.stdout
     bad = subprocess.run([sys.executable, script, "--nproc", "2", "trainer_config.max_step=3"], capture_output=True,
                          text=True, timeout=120, cwd=tmp_path)
-    assert bad.returncode == 1 and "did you mean 'max_steps'" in bad.stderr
+    assert bad.returncode == 1 and bad.stderr.strip() == \
+        "error: Could not override 'trainer_config.max_step'. (Key 'max_step' not in 'TrainerConfig')"

@@ -28,7 +28,6 @@ import socket
 import sys
 
 import torch.multiprocessing as mp
-from omegaconf import OmegaConf
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,15 +38,12 @@ def worker(local_rank: int, nproc: int, port: int, overrides: list[str]) -> None
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc),
                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     sys.path.insert(0, REPO)
-    import main  # imported after the variables are set: distributed.py reads RANK for print0
+    import main
 
-    # What Hydra does for main.py: the YAML, then the command-line overrides.
-    cfg = OmegaConf.merge(OmegaConf.load(os.path.join(REPO, "gpt2_train_cfg.yaml")), OmegaConf.from_dotlist(overrides))
-    # Hydra's own sections are not training config; anything else goes to main.run(), which
-    # rejects unknown sections and keys (a typo is an error here too, not silently ignored).
-    raw = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in ("hydra", "defaults")}
-    code = main.run(raw)
-    main.exit_process(code)  # a non-zero exit makes mp.spawn raise in the parent
+    # The config main.py would compose from these overrides (schema, groups, YAML): a typo is
+    # refused here too, with Hydra's message, not silently ignored.
+    job = main.to_job(main.compose(overrides))  # the parent checked these overrides already
+    main.exit_process(main.run(job))  # a non-zero exit makes mp.spawn raise in the parent
 
 
 def main() -> int:
@@ -55,13 +51,22 @@ def main() -> int:
     parser.add_argument("--nproc", type=int, default=2, help="processes (ranks) to start on this machine")
     parser.add_argument("overrides", nargs="*", help="config overrides, as for main.py (section.key=value)")
     args = parser.parse_args()
+    sys.path.insert(0, REPO)
+    import main as training  # (imported here, so no RANK is set yet: it prints as the parent)
+
+    try:  # refuse a bad config once, here, rather than in every child at once
+        training.to_job(training.compose(args.overrides))
+    except Exception as e:  # noqa: BLE001 - Hydra's composition errors and ConfigError, one line each
+        cause = f" ({str(e.__cause__).splitlines()[0]})" if e.__cause__ else ""  # Hydra's reason, e.g. the key
+        print(f"error: {str(e).splitlines()[0]}{cause}", file=sys.stderr)
+        return 1
     with socket.socket() as s:  # a free port for the rendezvous (torchrun --standalone does the same)
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     try:
         # join=True: wait for all children; if one fails, the others are terminated and this raises.
         mp.spawn(worker, args=(args.nproc, port, args.overrides), nprocs=args.nproc, join=True)
-    except mp.ProcessException as e:  # a child exited non-zero, or raised
+    except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:  # a child exited non-zero, or raised
         print(f"error: rank {e.error_index} failed; see its message above", file=sys.stderr)
         return 1
     return 0
