@@ -41,6 +41,9 @@ class DistContext:
     """How many times torchrun has restarted the worker group (TORCHELASTIC_RESTART_COUNT)."""
     local_world_size: int = 1
     """How many ranks run on this node (LOCAL_WORLD_SIZE); they share its cores and GPUs."""
+    run_id: str = ""
+    """torchrun's --rdzv_id (TORCHELASTIC_RUN_ID): the same in every restart of one job, on every node;
+    "" when there is none (run alone, mp.spawn, or torchrun's default id "none", which every job shares)."""
 
     @property
     def is_main(self) -> bool:
@@ -105,6 +108,8 @@ def setup_distributed(timeout_s: float = 600.0, device: str = "auto") -> DistCon
     world_size = int(os.environ["WORLD_SIZE"])
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    run_id = "" if run_id == "none" else run_id
     chosen = choose_device(device, gpus, local_rank, local_world_size)
     if chosen.type == "cuda":
         torch.cuda.set_device(chosen)  # one GPU per process, picked by its rank on this node
@@ -122,7 +127,7 @@ def setup_distributed(timeout_s: float = 600.0, device: str = "auto") -> DistCon
     # first collective, and barriers know which GPU to use.
     dist.init_process_group(backend_for(chosen), store=store, rank=rank, world_size=world_size, timeout=timeout,
                             device_id=chosen if chosen.type == "cuda" else None)
-    return DistContext(rank, local_rank, world_size, chosen, restart_count, local_world_size)
+    return DistContext(rank, local_rank, world_size, chosen, restart_count, local_world_size, run_id)
 
 
 def set_cpu_threads(ctx: DistContext, requested: int = 0) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+import uuid
 from typing import Any, Callable
 
 import hydra
@@ -37,6 +38,7 @@ from data.fetch_shakespeare import FetchError, ensure_tinyshakespeare
 from distributed import (DistContext, all_gather_objects, barrier, exit_process, is_main_process,
                          launched_with_ranks, previous_attempt_report, print0, record_exit, set_cpu_threads, setup_distributed,
                          teardown_distributed)
+from lease import LeaseError
 from model import GPT
 from snapshot import SnapshotError, SnapshotStore
 from trainer import Trainer
@@ -44,7 +46,7 @@ from trainer import Trainer
 REPO = os.path.dirname(os.path.abspath(__file__))
 config.register()  # the schema, the config groups and --help, for Hydra
 # Mistakes a user can fix; reported as one line and a non-zero exit, not a traceback.
-USER_ERRORS = (ConfigError, DatasetError, SnapshotError, FetchError)
+USER_ERRORS = (ConfigError, DatasetError, SnapshotError, FetchError, LeaseError)
 
 
 # Objects that own the process group (DDP's reducer holds it) are kept alive until the
@@ -90,10 +92,22 @@ def fetch_default_corpus(cfg: DataConfig, ctx: DistContext) -> None:
             raise FetchError(f"data_config.path: {e}; download it by hand or set data_config.path=<a UTF-8 file>") from None
 
 
+def take_snapshot_path(store: SnapshotStore, ttl_s: float, ctx: DistContext) -> None:
+    """One writer per snapshot path: global rank 0, the rank that commits, takes the path's lease for
+    this job (lease.py) before anything is written; then every rank learns its generation, which
+    names the files it writes. The job's identity is torchrun's run id, so a restarted worker group
+    (or a new rank 0 after an elastic membership change) takes its own lease back at once."""
+    if ttl_s <= 0:
+        return  # trainer_config.lease_ttl_s=0: no lease, no fencing (docs/snapshots.md)
+    how = on_all_ranks(lambda: store.acquire(ctx.run_id or uuid.uuid4().hex[:12], ttl_s) if ctx.is_main else "")
+    store.generation = all_gather_objects(store.generation)[0]
+    print0(f"lease | {store.url} | generation {store.generation} | {how} | renewed every {ttl_s / 4:g} s")
+
+
 def run(job) -> int:
     """Train one job (a config.job_schema() instance) on this process's rank; returns the exit code."""
     data_cfg, gpt_cfg, tcfg = job.data_config, job.gpt_config, job.trainer_config
-    ctx = None
+    ctx, store = None, None
     try:
         ctx = setup_distributed(tcfg.collective_timeout_s, tcfg.device)
         threads = set_cpu_threads(ctx, tcfg.cpu_threads)
@@ -117,6 +131,7 @@ def run(job) -> int:
         # snapshots; under FSDP every rank writes its own shards, so every rank probes.
         writes = ctx.is_main or tcfg.parallel == "fsdp"
         on_all_ranks(store.check_writable if writes else lambda: None)
+        take_snapshot_path(store, tcfg.lease_ttl_s, ctx)
         run_config = {name: to_dict(getattr(job, name)) for name in config.sections()}
         trainer = Trainer(model, dataset, tcfg, job.optimizer_config, ctx, run_config, store)
         _KEEP_UNTIL_EXIT.append(trainer)
@@ -137,6 +152,8 @@ def run(job) -> int:
         record_exit(ctx, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         raise
     finally:
+        if store is not None:
+            store.release()  # the next run on this path need not wait for the lease to go stale
         teardown_distributed()
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Callable
 
 
 def format_duration(seconds: float) -> str:
@@ -25,8 +26,11 @@ def format_duration(seconds: float) -> str:
 class MetricsLog:
     """Append-only JSON lines on a local path (an empty path disables it), optionally mirrored to TensorBoard."""
 
-    def __init__(self, path: str, tensorboard_dir: str = ""):
+    def __init__(self, path: str, tensorboard_dir: str = "", still_owner: Callable[[], bool] = lambda: True):
         self.path = path
+        # The run's history has one writer, the job holding the snapshot path's lease: a job that lost
+        # it (paused past its lease, then woken) writes nothing more here.
+        self.still_owner = still_owner
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         # Opened on first use: the trainer's resume() always cuts the history back first
@@ -34,6 +38,8 @@ class MetricsLog:
         self.tensorboard_dir, self.tensorboard = tensorboard_dir, None
 
     def write(self, record: dict) -> None:
+        if not self.still_owner():
+            return
         if self.path:
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")

@@ -7,6 +7,7 @@ only stores and retrieves it, through one small interface:
 
     store = SnapshotStore("runs/x/snapshots", keep_last=3)
     store.check_writable()          # at start-up, before any training step
+    store.acquire(owner, ttl_s)     # one writer per path: a lease, and a generation that fences (lease.py)
     store.save(state, step)         # commit a new snapshot
     with store.open_latest() as snapshot:   # the newest snapshot that passes its checks, or None
         snapshot.meta                       #   1. its metadata (step, config, vocabulary...)
@@ -14,9 +15,11 @@ only stores and retrieves it, through one small interface:
 
 Layout under the snapshot URL (a directory or URL prefix):
 
-    snapshot_00000500.pt   torch.save of the state dict
-    snapshot_00001000.pt
-    latest.json            manifest: the committed snapshots, newest last, with size + sha256
+    snapshot_00000500.g1.pt   torch.save of the state dict (g1: written under lease generation 1)
+    snapshot_00001000.g2.pt   (a later job on the same path holds generation 2)
+    latest.json               manifest: the committed snapshots, newest last, with size + sha256,
+                              and the generation that last committed
+    lease.json                who writes here now (lease.py)
 
 Never lose work: a snapshot file is written completely (temp file, fsync, rename)
 before the manifest that names it is replaced, and old snapshots are deleted only
@@ -24,6 +27,17 @@ after that. A crash at any moment leaves the previous manifest and the snapshots
 it names intact. On load the newest snapshot is checked against its recorded
 size and checksum; a damaged one is skipped with a warning, falling back to the
 one before.
+
+One writer per path: every commit is a compare-and-swap of latest.json that a job
+holding an older lease generation cannot make (a paused job that lost its lease).
+Saves ride out passing faults (a full disk being cleaned, S3 throttling): each is
+tried again with backoff, and the Trainer goes on training if a periodic save
+still fails, until too many fail in a row.
+
+The manifest is untrusted input: snapshot directories get shared and downloaded.
+Every entry is checked against the names this module writes before anything is
+read or deleted (manifest.py), and storage.py refuses any name that leaves the
+root, so no manifest can make a run touch a file outside its snapshot path.
 """
 
 from __future__ import annotations
@@ -31,23 +45,21 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-import json
 import os
-import re
 import shutil
 import tempfile
 import threading
 import time
 import uuid
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from distributed import print0, warn0
+from lease import Lease, LeaseError
+from manifest import MANIFEST, SNAPSHOT_RE, Manifest, newest_first, snapshot_name  # noqa: F401 - MANIFEST for users
 from storage import open_storage, storage_hint
 
-MANIFEST = "latest.json"
-_SNAPSHOT_RE = re.compile(r"^snapshot_(\d+)\.(pt|dcp)$")  # .pt: one file; .dcp: a directory of shards
 META = "meta.pt"  # in a sharded snapshot: everything but the model and optimizer tensors
 
 
@@ -103,10 +115,15 @@ def copy_to_cpu(obj: Any) -> Any:
 
 
 class SnapshotStore:
-    def __init__(self, url: str, keep_last: int = 3, s3_endpoint_url: str = ""):
+    def __init__(self, url: str, keep_last: int = 3, s3_endpoint_url: str = "", save_attempts: int = 3):
         self.url = url
         self.keep_last = keep_last
+        self.save_attempts = save_attempts  # per save, with backoff, before the save counts as failed
         self.storage = open_storage(url, s3_endpoint_url)
+        self.manifest = Manifest(self.storage, url)
+        self.lease: Lease | None = None  # taken by acquire() on the rank that commits
+        self.generation = 0  # the lease generation this job writes under (0: no lease)
+        self.last_committed: dict | None = None  # the newest snapshot known good: where a rerun resumes
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -122,53 +139,107 @@ class SnapshotStore:
                 f"trainer_config.snapshot_path: cannot write to {self.url!r} ({type(e).__name__}: {e}); {_hint(e)}"
             ) from None
 
-    def _manifest(self) -> list[dict]:
+    # ------------------------------------------------------------ one writer
+    def acquire(self, owner: str, ttl_s: float, clock=time.time, renew: bool = True) -> str:
+        """Take this path's lease for job `owner` (lease.py; LeaseError names the holder if another job has
+        it), then write its generation into latest.json at once: from then on a job holding an older
+        generation cannot commit, even before this one saves anything. Returns how the lease was taken."""
+        _, generation, _ = self.manifest.read()
+        self.lease = Lease(self.storage, self.url, owner, ttl_s, clock)
+        how = self.lease.acquire(min_generation=generation)
+        self.generation = self.lease.generation
+        self.manifest.update(lambda entries: (entries, []), self.generation)  # the fence
+        if renew:
+            self.lease.start_renewing()
+        return how
+
+    def check_owner(self) -> None:
+        """Raise LeaseError if another job has taken this path (cheap: see Lease.check)."""
+        if self.lease is not None:
+            self.lease.check()
+
+    def owns_path(self) -> bool:
         try:
-            entries = json.loads(self.storage.read(MANIFEST))["snapshots"]
-            return [e for e in entries if _SNAPSHOT_RE.match(e["file"])]
-        except FileNotFoundError:
-            return []
-        except (ValueError, KeyError, TypeError) as e:
-            warn0(f"snapshot manifest {self.url}/{MANIFEST} is unreadable ({e}); "
-                  "looking for single-file snapshots (sharded ones need the manifest)")
-            return []
+            self.check_owner()
+            return True
+        except LeaseError:
+            return False
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+
+    # ---------------------------------------------------------------- saving
+    def _name(self, step: int, extension: str) -> str:
+        # The generation in the name: a fenced-out job's files can never replace the owner's.
+        return snapshot_name(step, self.generation, extension)
+
+    def _manifest(self) -> list[dict]:
+        return self.manifest.read()[0]
+
+    def _retry(self, attempt: Callable[[], Any]) -> Any:
+        """attempt(), tried again after 0.5 s, 1 s, ... on a storage error (a full disk being cleaned,
+        S3 throttling beyond boto3's own retries, a connection reset); never on a lost lease."""
+        for i in range(self.save_attempts):
+            try:
+                return attempt()
+            except LeaseError:
+                raise
+            except Exception:  # noqa: BLE001 - the last one propagates
+                if i + 1 == self.save_attempts:
+                    raise
+                time.sleep(0.5 * 2 ** i)
 
     def save(self, state: dict, step: int) -> dict:
         """Serialize and commit one snapshot now; returns its manifest entry."""
         try:
-            return self._commit(state, step)
+            return self._commit(_serialize(state), step)
+        except LeaseError:
+            raise
         except Exception as e:  # noqa: BLE001 - reported with a hint, whatever it is
-            raise SnapshotError(f"snapshot save of step {step} to {self.url!r} failed "
-                                f"({type(e).__name__}: {e}); {_hint(e)}") from e
+            raise SnapshotError(f"snapshot save of step {step} to {self.url!r} failed after {self.save_attempts} "
+                                f"attempts ({type(e).__name__}: {e}); {_hint(e)}") from e
 
-    def _commit(self, state: dict, step: int) -> dict:
-        data = _serialize(state)
-        entry = {"file": f"snapshot_{step:08d}.pt", "step": step, **_fingerprint(data)}
-        self.storage.write(entry["file"], data)  # 1. the snapshot, complete
+    def _commit(self, data: memoryview, step: int) -> dict:
+        entry = {"file": self._name(step, "pt"), "step": step, **_fingerprint(data)}
+        self._retry(lambda: self.storage.write(entry["file"], data))  # 1. the snapshot, complete
         self._publish(entry)
         return entry
 
     def _publish(self, entry: dict) -> None:
         """Commit a written snapshot: the manifest names it, then old ones are deleted."""
-        # Entries at or after this step are from a run that was rolled back past them
-        # (say a newer snapshot was corrupt and we resumed from an older one): replace them.
-        current = self._manifest()  # one read (one request, on S3) per commit
-        older = sorted((e for e in current if e["step"] < entry["step"]), key=lambda e: e["step"])
-        stale = [e for e in current if e["step"] > entry["step"]]
-        entries = older + [entry]
-        kept, dropped = entries[-self.keep_last:], entries[:-self.keep_last] + stale
-        self.storage.write(MANIFEST, json.dumps({"snapshots": kept}, indent=1).encode())  # 2. commit
+        def change(current: list[dict]) -> tuple[list[dict], list[dict]]:
+            # Entries at or after this step are from a run that was rolled back past them
+            # (say a newer snapshot was corrupt and we resumed from an older one): replace them.
+            older = sorted((e for e in current if e["step"] < entry["step"]), key=lambda e: e["step"])
+            stale = [e for e in current if e["step"] >= entry["step"] and e["file"] != entry["file"]]
+            entries = older + [entry]
+            return entries[-self.keep_last:], entries[:-self.keep_last] + stale
+
+        try:
+            generation = self.generation if self.lease is not None else None
+            dropped = self._retry(lambda: self.manifest.update(change, generation))  # 2. commit
+        except LeaseError:
+            self._delete(entry)  # fenced out: its files are its own (named by its generation), and now orphans
+            raise
+        self.last_committed = entry
         for old in dropped:  # 3. only now is it safe to forget old snapshots
-            for name in old.get("files", {}):
-                self.storage.delete(f"{old['file']}/{name}")
-            self.storage.delete(old["file"])
+            self._delete(old)
+
+    def _delete(self, entry: dict) -> None:
+        try:
+            for name in entry.get("files", {}):
+                self.storage.delete(f"{entry['file']}/{name}")
+            self.storage.delete(entry["file"])
+        except Exception as e:  # noqa: BLE001 - a leftover file is not lost work
+            warn0(f"could not delete {self.url}/{entry['file']} ({type(e).__name__}: {e}); it can be removed by hand")
 
     def save_sharded(self, app_state: dict, meta: dict | None, step: int, is_main: bool) -> dict | None:
         """Collective: every rank writes its own shards with torch.distributed.checkpoint (DCP).
 
         app_state holds DTensors (each rank's shard of model and optimizer). DCP
         writes them to a rank-local staging directory; each rank then stores its
-        files under snapshot_<step>.dcp/ itself, in parallel. Rank 0 adds meta.pt
+        files under snapshot_<step>.g<generation>.dcp/ itself, in parallel. Rank 0 adds meta.pt
         (step, RNG states, config...) and commits the manifest listing every file
         with its size and sha256: until then the snapshot does not exist.
         """
@@ -176,7 +247,7 @@ class SnapshotStore:
 
         from distributed import all_gather_objects
 
-        name = f"snapshot_{step:08d}.dcp"
+        name = self._name(step, "dcp")
         try:
             mine, error = {}, None
             with tempfile.TemporaryDirectory(prefix="dcp-stage-") as stage:
@@ -185,7 +256,7 @@ class SnapshotStore:
                     for file in sorted(os.listdir(stage)):
                         with open(os.path.join(stage, file), "rb") as f:
                             data = f.read()
-                        self.storage.write(f"{name}/{file}", data)
+                        self._retry(lambda: self.storage.write(f"{name}/{file}", data))
                         mine[file] = _fingerprint(data)
                 except Exception as e:  # noqa: BLE001 - shared with every rank below
                     error = f"{type(e).__name__}: {e}"
@@ -199,12 +270,14 @@ class SnapshotStore:
             if not is_main:
                 return None
             meta_bytes = _serialize(meta)
-            self.storage.write(f"{name}/{META}", meta_bytes)
+            self._retry(lambda: self.storage.write(f"{name}/{META}", meta_bytes))
             files[META] = _fingerprint(meta_bytes)
             entry = {"file": name, "step": step, "kind": "sharded", "files": files,
                      "bytes": sum(f["bytes"] for f in files.values())}
             self._publish(entry)
             return entry
+        except LeaseError:
+            raise
         except Exception as e:  # noqa: BLE001 - reported with a hint, whatever it is
             raise SnapshotError(f"sharded snapshot save of step {step} to {self.url!r} failed "
                                 f"({type(e).__name__}: {e}); {_hint(e)}") from e
@@ -223,7 +296,7 @@ class SnapshotStore:
         def write() -> None:
             t0 = time.perf_counter()
             try:
-                entry = self._commit(cpu_state, step)
+                entry = self._commit(_serialize(cpu_state), step)
                 print0(f"snapshot | step {step} | {entry['bytes'] / 1e6:.1f} MB | written in background "
                        f"in {time.perf_counter() - t0:.2f} s | {self.url}/{entry['file']}")
             except BaseException as e:  # noqa: BLE001 - handed to the training thread
@@ -236,6 +309,8 @@ class SnapshotStore:
     def raise_if_failed(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
+            if isinstance(error, LeaseError):
+                raise error
             raise SnapshotError(f"background snapshot save to {self.url!r} failed "
                                 f"({type(error).__name__}: {error}); {_hint(error)}") from error
 
@@ -250,9 +325,9 @@ class SnapshotStore:
         """Snapshots to try, newest first: the manifest's, or (without one) whatever files exist."""
         entries = self._manifest()
         if not entries:
-            names = [n for n in self.storage.list() if _SNAPSHOT_RE.match(n) and n.endswith(".pt")]
-            entries = [{"file": n, "step": int(_SNAPSHOT_RE.match(n).group(1))} for n in names]
-        return sorted(entries, key=lambda e: e["step"], reverse=True)
+            names = [n for n in self.storage.list() if SNAPSHOT_RE.match(n) and n.endswith(".pt")]
+            entries = [{"file": n, "step": int(SNAPSHOT_RE.match(n).group(1))} for n in names]
+        return newest_first(entries)
 
     def _read_checked(self, name: str, expected: dict | None) -> bytes:
         data = self.storage.read(name)
@@ -303,6 +378,7 @@ class SnapshotStore:
                 warn0(f"snapshot {self.url}/{entry['file']} is unusable ({type(e).__name__}: {e}); "
                       "trying the previous one")
                 continue
+            self.last_committed = entry
             try:
                 yield snapshot
             finally:

@@ -102,6 +102,12 @@ class TrainerConfig:
     10-bit mantissa, fp32 accumulation): several times faster than full fp32. No effect on CPUs."""
     async_save: bool = False
     """Copy the state to CPU memory and write the snapshot in a background thread while training goes on."""
+    max_failed_saves: int = 3
+    """A periodic save that fails (after a few quick retries) is logged and training goes on; this many
+    failed save points in a row fail the job. The final and the preemption save must succeed."""
+    lease_ttl_s: float = 60.0
+    """Seconds the snapshot path's lease lasts without renewal (lease.py): a second job on the same path
+    is refused while it lasts; a dead holder on another host is taken over after it. 0: no lease."""
     s3_endpoint_url: str = ""
     """Endpoint for s3:// snapshot paths (MinIO, Ceph, R2...); empty: AWS_ENDPOINT_URL or AWS itself."""
     collective_timeout_s: float = 600.0
@@ -122,9 +128,11 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "batch_size", "grad_accum_steps", "eval_every", "eval_iters",
-                     "log_every", "save_every", "keep_last"):
+                     "log_every", "save_every", "keep_last", "max_failed_saves"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"trainer_config.{name} must be positive, got {getattr(self, name)}")
+        if self.lease_ttl_s < 0:
+            raise ConfigError(f"trainer_config.lease_ttl_s must be >= 0 (0 turns the lease off), got {self.lease_ttl_s}")
         if self.parallel not in ("ddp", "fsdp", "none"):
             raise ConfigError(f"trainer_config.parallel must be ddp, fsdp or none, got {self.parallel!r}")
         if self.grad_reduce not in ("all_reduce", "via_rank0"):

@@ -36,6 +36,7 @@ from metrics import MetricsLog, ProgressLine, format_duration
 from model import GPT, GPTConfig
 from parallel import Plan, autocast, check_supported, grad_scaler, set_tf32, wrap_model
 from sampler import DataCursor
+from lease import LeaseError
 from snapshot import SnapshotError, SnapshotMismatch, SnapshotStore
 from train_config import OptimizerConfig, TrainerConfig
 
@@ -71,7 +72,9 @@ class Trainer:
         # different samples); all streams follow from the one configured seed.
         torch.manual_seed(trainer_cfg.seed + ctx.rank)
         self.metrics = MetricsLog(trainer_cfg.metrics_file if ctx.is_main else "",
-                                  trainer_cfg.tensorboard_dir if ctx.is_main else "")
+                                  trainer_cfg.tensorboard_dir if ctx.is_main else "", still_owner=store.owns_path)
+        self.failed_saves = 0  # save points in a row whose snapshot could not be written (rank 0 counts)
+        self._counted_since: dict | None = None  # the snapshot committed when the count last started
         self.stop_signal: int | None = None  # set by SIGTERM/SIGINT: finish the step, snapshot, exit
         self._trace = None
         if trainer_cfg.trace_samples_path:
@@ -427,21 +430,53 @@ class Trainer:
         return reached
 
     def _save_and_vote(self, last: bool) -> int:
-        """Snapshot if it is time, then one all-reduce through which every rank learns whether any rank
-        failed to save (all raise, rather than the others waiting in the next collective) or received
-        SIGTERM/SIGINT (all stop after a snapshot). Returns 0 to go on, or the signal to stop for."""
-        failure = None
+        """Snapshot if it is time, then one all-reduce through which every rank learns whether rank 0 lost
+        the snapshot path to another job (all stop), whether a save failed (all go on, or all raise when
+        rank 0 has counted too many in a row) or whether a rank received SIGTERM/SIGINT (all stop after a
+        snapshot). Returns 0 to go on, or the signal to stop for."""
+        if self.store.last_committed is not self._counted_since:  # a snapshot landed: the count starts over
+            self._counted_since, self.failed_saves = self.store.last_committed, 0
+        failure, code = None, 0
         try:
+            if self.ctx.is_main:
+                self.store.check_owner()  # a paused job woken after losing its lease writes nothing more
             if self.step % self.cfg.save_every == 0 or last:
                 self.save_snapshot(block=last)
             if self.ctx.is_main:
-                self.store.raise_if_failed()  # a failed background save fails the job now
+                self.store.raise_if_failed()  # a background save that failed counts as a failed save point
+        except LeaseError as e:
+            failure, code = e, LEASE_LOST
         except SnapshotError as e:
-            failure = e
-        verdict = max_over_ranks(SAVE_FAILED if failure else 0 if last else (self.stop_signal or 0))
+            failure, code = e, self._count_failed_save(last)
+        verdict = max_over_ranks(code or (0 if last else (self.stop_signal or 0)))
+        if verdict == LEASE_LOST:
+            raise failure if code == LEASE_LOST else LeaseError("rank 0 lost the snapshot path to another job")
+        if verdict == SAVES_FAILING:
+            raise SnapshotError(self._failed_save_message(failure, last, fatal=True))
         if verdict == SAVE_FAILED:
-            raise failure or SnapshotError("a snapshot save failed on another rank; see rank 0's log")
+            warn0(self._failed_save_message(failure, last, fatal=False))
+            return 0
         return verdict
+
+    def _count_failed_save(self, last: bool) -> int:
+        """A save point whose snapshot was not written. The work since the last good snapshot is still in
+        memory, so training goes on and the next save point tries again (a passing fault: a full disk
+        being cleaned, S3 throttling), unless this was the last save or rank 0 has counted
+        trainer_config.max_failed_saves in a row. Rank 0's count decides, for every rank."""
+        self.failed_saves += 1
+        return SAVES_FAILING if last or self.failed_saves >= self.cfg.max_failed_saves else SAVE_FAILED
+
+    def _failed_save_message(self, error: SnapshotError | None, last: bool, fatal: bool) -> str:
+        committed = self.store.last_committed
+        resume = f"step {committed['step']} ({self.store.url}/{committed['file']})" if committed else \
+            "step 0 (no snapshot yet)"
+        error = error or "a snapshot save failed on another rank"
+        if fatal:
+            why = "the last save of this run failed" if last else f"{self.failed_saves} saves in a row failed"
+            return f"{why} ({error}); a rerun resumes from {resume}"
+        return (f"{error}; training goes on and tries again at the next save point ({self.failed_saves} of "
+                f"trainer_config.max_failed_saves={self.cfg.max_failed_saves} in a row); a rerun now would "
+                f"resume from {resume}")
 
     def _stop_for(self, signum: int) -> None:
         """Stopped by a signal on some rank: every rank saves the current step (if not just saved)."""
@@ -449,11 +484,17 @@ class Trainer:
         print0(f"preempted | {signal.Signals(signum).name} received | "
                f"saving step {self.step}; rerun the same command to continue")
         if self.step % self.cfg.save_every:
-            self.save_snapshot(block=True)
+            try:
+                self.save_snapshot(block=True)
+            except SnapshotError as e:  # nothing to go on with: say where a rerun starts
+                raise SnapshotError(self._failed_save_message(e, last=True, fatal=True)) from None
 
 
-# The stop vote's value for "a rank failed to save"; signal numbers (SIGTERM 15, SIGINT 2) are below it.
-SAVE_FAILED = 1000
+# The stop vote's values for a failed save, for saves that keep failing, and for a lost lease;
+# signal numbers (SIGTERM 15, SIGINT 2) are below them.
+SAVE_FAILED = 1000  # and go on
+SAVES_FAILING = 1001  # too many in a row, or the last save: stop
+LEASE_LOST = 1002
 
 
 class _LogWindow:

@@ -124,3 +124,75 @@ class CuttableProxy:
     def restore(self) -> None:
         self.cut_after, self.is_cut = None, False
         self._listen()
+
+
+class FlakyS3Proxy:
+    """An HTTP proxy in front of moto_server that answers 503 SlowDown (S3's "reduce your request rate")
+    to the first `failures` PUTs whose path contains `fail_puts_matching`, and forwards everything else:
+    an S3 endpoint that throttles for a while, as AWS does under load."""
+
+    def __init__(self, target_port: int, fail_puts_matching: str, failures: int):
+        import http.client
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        proxy = self
+        self.failed, self.failures, self.needle = 0, failures, fail_puts_matching
+        self._lock = threading.Lock()
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _body(self) -> bytes:
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    chunks = []
+                    while True:
+                        size = int(self.rfile.readline().split(b";")[0], 16)
+                        chunks.append(self.rfile.read(size))
+                        self.rfile.readline()
+                        if size == 0:
+                            return b"".join(chunks)
+                return self.rfile.read(int(self.headers.get("Content-Length", 0)))
+
+            def _handle(self) -> None:
+                body = self._body()
+                with proxy._lock:
+                    throttle = self.command == "PUT" and proxy.needle in self.path and proxy.failed < proxy.failures
+                    proxy.failed += throttle
+                if throttle:
+                    reply = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+                    self.send_response(503)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(reply)))
+                    self.end_headers()
+                    self.wfile.write(reply)
+                    return
+                conn = http.client.HTTPConnection("127.0.0.1", target_port, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding", "connection")}
+                headers["Content-Length"] = str(len(body))
+                conn.request(self.command, self.path, body=body, headers=headers)
+                response = conn.getresponse()
+                data = response.read()
+                self.send_response(response.status)
+                head = self.command == "HEAD"  # no body, but the real object's length
+                for key, value in response.getheaders():
+                    if key.lower() not in ("transfer-encoding", "connection") and (head or key.lower() != "content-length"):
+                        self.send_header(key, value)
+                if not head:
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -175,10 +175,10 @@ def test_sigkill_during_a_sharded_save_leaves_the_previous_snapshot_usable(shake
     job = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            env={**os.environ, "PYTHONUNBUFFERED": "1", "FAULT": "block_write:1:10"})
     for line in job.stdout:
-        if "fault | rank 1 | blocked half-way through writing snapshot_00000010.dcp/" in line:
+        if "fault | rank 1 | blocked half-way through writing snapshot_00000010.g1.dcp/" in line:
             break
     kill_tree(job)
-    assert any(n.endswith(".tmp") for n in os.listdir(snap_dir / "snapshot_00000010.dcp"))  # really mid-write
+    assert any(n.endswith(".tmp") for n in os.listdir(snap_dir / "snapshot_00000010.g1.dcp"))  # really mid-write
     assert [e["step"] for e in json.loads((snap_dir / MANIFEST).read_text())["snapshots"]] == [5]
     out = ok(run_main(args, nproc=2))
     assert "resume | step 5 |" in out and "done | step 60" in out

@@ -55,9 +55,9 @@ def test_sigkill_while_a_snapshot_is_being_written_keeps_the_previous_one(shakes
     snap_dir = tmp_path / "snapshots"
     # Rank 0 stops half-way through writing the step-10 snapshot (tests/faulty_main.py), and is killed there.
     job = start_job(args, script=REPO / "tests" / "faulty_main.py", env={"FAULT": "block_write:0:10"})
-    wait_for_line(job, "fault | rank 0 | blocked half-way through writing snapshot_00000010.pt")
+    wait_for_line(job, "fault | rank 0 | blocked half-way through writing snapshot_00000010.g1.pt")
     kill_tree(job)
-    assert any(n.startswith(".snapshot_00000010.pt.") and n.endswith(".tmp") for n in os.listdir(snap_dir))
+    assert any(n.startswith(".snapshot_00000010.g1.pt.") and n.endswith(".tmp") for n in os.listdir(snap_dir))
     assert [e["step"] for e in json.loads((snap_dir / MANIFEST).read_text())["snapshots"]] == [5]  # not committed
     resumed = run_main(args)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -87,7 +87,7 @@ def test_async_saves_give_the_same_run_and_the_same_snapshots(straight_run, shak
     assert "writing in the background" in result.stdout
     assert_same_run(straight_run, tmp_path, SETTINGS["max_steps"])
     assert sorted(p.name for p in (tmp_path / "snapshots").glob("snapshot_*.pt")) == \
-        ["snapshot_00000010.pt", "snapshot_00000020.pt", "snapshot_00000030.pt"]
+        ["snapshot_00000010.g1.pt", "snapshot_00000020.g1.pt", "snapshot_00000030.g1.pt"]
 
 
 def test_a_failing_background_save_fails_the_job(shakespeare, tmp_path):

@@ -39,7 +39,7 @@ def test_training_run_saves_to_s3_and_resumes_from_it(s3, bucket, shakespeare, t
         [f"trainer_config.snapshot_path=s3://{bucket}/run", f"trainer_config.s3_endpoint_url={s3.url}"]
     first = run_main(args, env=CREDENTIALS)
     assert first.returncode == 0, first.stderr
-    assert "snapshot_00000010.pt" in keys(s3, bucket)[-1]
+    assert "snapshot_00000010.g1.pt" in keys(s3, bucket)[-1]  # g1: written under lease generation 1
     second = run_main(args[:-3] + args[-2:] + ["trainer_config.max_steps=15"], env=CREDENTIALS)
     assert second.returncode == 0, second.stderr
     assert "resume | step 10" in second.stdout
@@ -49,7 +49,7 @@ def test_aws_endpoint_url_from_the_environment_is_honoured(s3, bucket, shakespea
     args = tiny_overrides(shakespeare, tmp_path, max_steps=2) + [f"trainer_config.snapshot_path=s3://{bucket}/env"]
     result = run_main(args, env={**CREDENTIALS, "AWS_ENDPOINT_URL": s3.url})
     assert result.returncode == 0, result.stderr
-    assert "env/snapshot_00000002.pt" in keys(s3, bucket)
+    assert "env/snapshot_00000002.g1.pt" in keys(s3, bucket)
 
 
 def _startup_error(args, env) -> str:
@@ -102,13 +102,14 @@ def test_server_dying_mid_upload_leaves_the_previous_snapshot_to_resume_from(s3,
     args = tiny_overrides(shakespeare, tmp_path, save_every=10) + \
         [f"trainer_config.snapshot_path=s3://{bucket}/run", f"trainer_config.s3_endpoint_url={proxy.url}"]
     assert run_main(args + ["trainer_config.max_steps=10"], env=CREDENTIALS).returncode == 0
-    size = s3.client().head_object(Bucket=bucket, Key="run/snapshot_00000010.pt")["ContentLength"]
+    size = s3.client().head_object(Bucket=bucket, Key="run/snapshot_00000010.g1.pt")["ContentLength"]
 
     proxy.cut_after = proxy.sent + size // 2  # the line dies half-way through the next snapshot's upload
     failed = run_main(args + ["trainer_config.max_steps=30"], env=CREDENTIALS)
     assert proxy.is_cut and failed.returncode != 0
-    assert "error: snapshot save of step 20 to 's3://" in failed.stderr
-    assert "snapshot_00000020.pt" not in " ".join(keys(s3, bucket))  # no partial object became visible
+    assert "snapshot save of step 20 to 's3://" in failed.stderr  # tried again at step 30, and failed again
+    assert "error: the last save of this run failed" in failed.stderr and "a rerun resumes from step 10" in failed.stderr
+    assert "snapshot_00000020" not in " ".join(keys(s3, bucket))  # no partial object became visible
 
     proxy.restore()
     resumed = run_main(args + ["trainer_config.max_steps=30"], env=CREDENTIALS)
