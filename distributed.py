@@ -107,7 +107,8 @@ def setup_distributed(timeout_s: float = 600.0, device: str = "auto") -> DistCon
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ["WORLD_SIZE"])
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    # torchrun (and accelerate, which runs it) says LOCAL_WORLD_SIZE; the deepspeed launcher says LOCAL_SIZE.
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     run_id = "" if run_id == "none" else run_id
     chosen = choose_device(device, gpus, local_rank, local_world_size)

@@ -1,0 +1,85 @@
+"""Rendezvous through a real etcd server, as the study notes run torchelastic: two torchrun agents
+on loopback find each other through etcd instead of c10d's TCP store."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, descendants, tiny_overrides, wait_for_line
+from etcd_server import EtcdServer
+from snapshot import SnapshotStore
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def etcd():
+    server = EtcdServer()
+    yield server
+    server.stop()
+
+
+def agent(backend: str, endpoint: str, nnodes: str, args: list[str], extra=(), run_id="job-1") -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc_per_node=1",
+           f"--rdzv_backend={backend}", f"--rdzv_endpoint={endpoint}", f"--rdzv_id={run_id}", "--monitor-interval=0.5",
+           *extra, str(REPO / "main.py"), *args]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def two_agents(backend: str, endpoint: str, args: list[str], run_id: str) -> str:
+    """One job of two agents. etcd keeps a finished job's rendezvous (closed) under its run id, so
+    each job, a rerun included, needs its own --rdzv_id, as a scheduler's job id gives it."""
+    nodes = [agent(backend, endpoint, "2", args, run_id=run_id) for _ in range(2)]
+    outs = [node.communicate(timeout=180)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    return "".join(outs)
+
+
+# etcd: the original torchelastic handler, the notes' `--rdzv_backend=etcd`; etcd-v2: the same
+# dynamic rendezvous that c10d uses, with etcd as its store. Both need etcd's v2 API (--enable-v2).
+@pytest.mark.parametrize("backend", ["etcd-v2", "etcd"])
+def test_two_agents_meet_through_etcd_train_snapshot_and_resume(backend, etcd, shakespeare, tmp_path):
+    out = two_agents(backend, etcd.endpoint, tiny_overrides(shakespeare, tmp_path, max_steps=10, save_every=10), "job-1")
+    assert "world size 2 | backend gloo" in out and "snapshot | step 10" in out
+    out = two_agents(backend, etcd.endpoint, tiny_overrides(shakespeare, tmp_path, max_steps=20, save_every=10), "job-2")
+    assert "resume | step 10 |" in out and "done | step 20" in out
+
+
+def test_an_elastic_job_on_etcd_loses_a_node_and_finishes(etcd, shakespeare, tmp_path):
+    args = tiny_overrides(shakespeare, tmp_path, max_steps=200, save_every=20, log_every=20)
+    elastic = ("--max-restarts=3", "--rdzv-conf=last_call_timeout=5,join_timeout=60")
+    node0 = agent("etcd-v2", etcd.endpoint, "1:2", args, elastic)
+    node1 = agent("etcd-v2", etcd.endpoint, "1:2", args, elastic)
+    lines = wait_for_line(node0, "snapshot | step 40", timeout=120)
+    assert any("world size 2" in line for line in lines)
+    for pid in [node1.pid, *descendants(node1.pid)]:  # node 1 loses power
+        os.kill(pid, 9)
+    node1.wait(timeout=30)
+    rest, _ = node0.communicate(timeout=240)
+    out = "".join(lines) + rest
+    assert node0.returncode == 0, out[-3000:]
+    assert "world size 1 | backend" in out and "restart 1" in out and "saved at world size 2, now 1" in out
+    assert "done | step 200" in out
+
+
+def test_etcd_stopping_mid_job_fails_the_job_clearly_and_loses_no_snapshot(etcd, shakespeare, tmp_path):
+    args = tiny_overrides(shakespeare, tmp_path, max_steps=100000, save_every=20, log_every=20)
+    nodes = [agent("etcd-v2", etcd.endpoint, "2", args) for _ in range(2)]
+    lines = wait_for_line(nodes[0], "snapshot | step 40", timeout=120)
+    etcd.stop()  # the rendezvous server goes away; the agents notice at their next check
+    outs = [node.communicate(timeout=120)[0] for node in nodes]
+    assert all(node.returncode != 0 for node in nodes)
+    assert "The connection to etcd has failed" in "".join(outs)
+    # Rank 0 was sent SIGTERM by its agent: it saved the step it was on before exiting.
+    saved = SnapshotStore(str(tmp_path / "snapshots")).load_latest()["step"]
+    assert saved >= 40 and f"snapshot | step {saved}" in "".join(lines) + outs[0]
+    restarted = EtcdServer()  # a new etcd: the rerun resumes where the job stopped
+    try:
+        out = two_agents("etcd-v2", restarted.endpoint,
+                         tiny_overrides(shakespeare, tmp_path, max_steps=saved + 10, save_every=20, log_every=20), "job-2")
+    finally:
+        restarted.stop()
+    assert f"resume | step {saved} |" in out and f"done | step {saved + 10}" in out
