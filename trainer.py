@@ -76,6 +76,7 @@ class Trainer:
         self.failed_saves = 0  # save points in a row whose snapshot could not be written (rank 0 counts)
         self._counted_since: dict | None = None  # the snapshot committed when the count last started
         self.stop_signal: int | None = None  # set by SIGTERM/SIGINT: finish the step, snapshot, exit
+        self._stop_requested_at = 0.0  # when (time.monotonic) that signal came
         self._trace = None
         if trainer_cfg.trace_samples_path:
             os.makedirs(trainer_cfg.trace_samples_path, exist_ok=True)
@@ -317,10 +318,16 @@ class Trainer:
         return float((norm.full_tensor() if isinstance(norm, DTensor) else norm).item())
 
     def _request_stop(self, signum: int, frame) -> None:
-        if self.stop_signal is not None:  # a second signal: stop right now
+        if self.stop_signal is not None:
+            # One request often arrives twice: SLURM signals every process of the job step and
+            # torchrun forwards the same signal to its workers; Ctrl-C reaches the whole process
+            # group. Only a signal well after the first (a second Ctrl-C) means "stop right now".
+            if time.monotonic() - self._stop_requested_at < DUPLICATE_SIGNAL_WINDOW_S:
+                return
             signal.signal(signum, signal.SIG_DFL)
             raise KeyboardInterrupt
         self.stop_signal = signum
+        self._stop_requested_at = time.monotonic()
         # The loop will stop at the end of this step. A rank stuck somewhere (a hung
         # filesystem, a deadlock) never gets there: give up after the collective
         # timeout so the launcher can restart the group without waiting longer.
@@ -495,6 +502,10 @@ class Trainer:
 SAVE_FAILED = 1000  # and go on
 SAVES_FAILING = 1001  # too many in a row, or the last save: stop
 LEASE_LOST = 1002
+
+# A repeat of a stop signal within this many seconds is the same request delivered twice (by SLURM
+# and torchrun, or to the whole process group); a later one, like a second Ctrl-C, stops at once.
+DUPLICATE_SIGNAL_WINDOW_S = 1.0
 
 
 class _LogWindow:

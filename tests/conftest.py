@@ -97,6 +97,15 @@ def kill_tree(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
+def lose_a_node(survivor: subprocess.Popen, lost: subprocess.Popen, after: str) -> str:
+    """Once the survivor agent prints `after`, SIGKILL the other agent and its workers (a node losing
+    power); returns the survivor's whole output when it exits."""
+    lines = wait_for_line(survivor, after, timeout=120)
+    kill_tree(lost)
+    rest, _ = survivor.communicate(timeout=240)
+    return "".join(lines) + rest
+
+
 def wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 180) -> list[str]:
     """Read proc's stdout until a line contains needle; returns the lines read."""
     lines, deadline = [], time.monotonic() + timeout

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, descendants, tiny_overrides, wait_for_line
+from conftest import REPO, lose_a_node, tiny_overrides, wait_for_line
 from etcd_server import EtcdServer
 from snapshot import SnapshotStore
 
@@ -53,13 +53,8 @@ def test_an_elastic_job_on_etcd_loses_a_node_and_finishes(etcd, shakespeare, tmp
     elastic = ("--max-restarts=3", "--rdzv-conf=last_call_timeout=5,join_timeout=60")
     node0 = agent("etcd-v2", etcd.endpoint, "1:2", args, elastic)
     node1 = agent("etcd-v2", etcd.endpoint, "1:2", args, elastic)
-    lines = wait_for_line(node0, "snapshot | step 40", timeout=120)
-    assert any("world size 2" in line for line in lines)
-    for pid in [node1.pid, *descendants(node1.pid)]:  # node 1 loses power
-        os.kill(pid, 9)
-    node1.wait(timeout=30)
-    rest, _ = node0.communicate(timeout=240)
-    out = "".join(lines) + rest
+    out = lose_a_node(node0, node1, after="snapshot | step 40")
+    assert "world size 2 |" in out  # before the loss
     assert node0.returncode == 0, out[-3000:]
     assert "world size 1 | backend" in out and "restart 1" in out and "saved at world size 2, now 1" in out
     assert "done | step 200" in out

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import REPO, descendants, free_port, tiny_overrides, wait_for_line
+from conftest import REPO, free_port, lose_a_node, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -62,13 +62,8 @@ def test_elastic_job_loses_a_node_and_finishes_at_the_smaller_world_size(shakesp
     node0 = start(agent_cmd(endpoint, "1:2", *args, extra=elastic))
     time.sleep(0.5)
     node1 = start(agent_cmd(endpoint, "1:2", *args, extra=elastic))
-    lines = wait_for_line(node0, "snapshot | step 40", timeout=120)
-    assert any("world size 4" in line for line in lines)
-    for pid in [node1.pid, *descendants(node1.pid)]:  # node 1 loses power
-        os.kill(pid, 9)
-    node1.wait(timeout=30)
-    rest, _ = node0.communicate(timeout=240)
-    out = "".join(lines) + rest
+    out = lose_a_node(node0, node1, after="snapshot | step 40")
+    assert "world size 4 |" in out  # before the loss
     assert node0.returncode == 0, out[-3000:]
     assert "job | world size 2 | backend gloo | device cpu | 1 CPU threads per rank | restart 1" in out
     assert "rank 2 died without a word" in out and "rank 3 died without a word" in out

@@ -8,11 +8,12 @@ import json
 import os
 import signal
 import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import REPO, kill_tree, run_main, tiny_overrides, torchrun_cmd, wait_for_line
+from conftest import REPO, descendants, kill_tree, run_main, tiny_overrides, torchrun_cmd, wait_for_line
 from metrics import MetricsLog
 from snapshot import MANIFEST, SnapshotStore
 
@@ -79,6 +80,39 @@ def test_sigterm_finishes_the_step_saves_and_resumes_exactly(straight_run, shake
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resume | step {stopped_at} |" in resumed.stdout
     assert_same_run(straight_run, tmp_path, SETTINGS["max_steps"])
+
+
+def test_a_stop_signal_sent_to_every_process_of_the_job_still_saves_the_step(shakespeare, tmp_path):
+    # SLURM signals every process of a job step, so each worker gets SIGTERM twice within
+    # milliseconds: once from SLURM and once forwarded by torchrun. That is one request, not two.
+    args = tiny_overrides(shakespeare, tmp_path, max_steps=100000, save_every=100000, log_every=20)
+    job = start_job(args)
+    lines = wait_for_line(job, "| loss ")
+    for pid in [*descendants(job.pid), job.pid]:  # the workers, then the agent, which forwards it again
+        os.kill(pid, signal.SIGTERM)
+    rest, _ = job.communicate(timeout=60)
+    log = "".join(lines) + rest
+    assert job.returncode != 0  # not finished: the scheduler must know
+    assert "preempted | SIGTERM received | saving step" in log, log[-3000:]
+    stopped_at = int(log.split("preempted | SIGTERM received | saving step ")[1].split(";")[0])
+    assert SnapshotStore(str(tmp_path / "snapshots")).load_latest()["step"] == stopped_at
+
+
+def test_a_second_ctrl_c_a_moment_later_stops_at_once_and_keeps_the_last_snapshot(shakespeare, tmp_path):
+    args = tiny_overrides(shakespeare, tmp_path, max_steps=40, save_every=5)
+    # One process, whose step-10 save hangs half-way (tests/faulty_main.py): the first Ctrl-C asks
+    # for a snapshot that cannot come; the second, a moment later, is the user insisting.
+    job = subprocess.Popen([sys.executable, str(REPO / "tests" / "faulty_main.py"), *args], cwd=REPO,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env={**os.environ, "PYTHONUNBUFFERED": "1", "FAULT": "block_write:0:10"})
+    wait_for_line(job, "blocked half-way through writing snapshot_00000010")
+    job.send_signal(signal.SIGINT)
+    with pytest.raises(subprocess.TimeoutExpired):  # the first one waits for the step's snapshot
+        job.wait(timeout=2)
+    job.send_signal(signal.SIGINT)
+    job.communicate(timeout=30)
+    assert job.returncode == 130
+    assert SnapshotStore(str(tmp_path / "snapshots")).load_latest()["step"] == 5
 
 
 def test_async_saves_give_the_same_run_and_the_same_snapshots(straight_run, shakespeare, tmp_path):

@@ -1,9 +1,13 @@
-"""The SLURM script: valid bash, and it builds the torchrun command the README documents."""
+"""The SLURM script: valid bash, it builds the torchrun command the README documents, and under a real
+one-node SLURM cluster a preempted job is requeued and resumes from the snapshot taken on the signal."""
 
 import os
 import subprocess
+import time
 
-from conftest import REPO
+import pytest
+
+from conftest import REPO, free_port, tiny_overrides
 
 SCRIPT = REPO / "slurm" / "train.sbatch"
 
@@ -24,3 +28,39 @@ def test_the_command_built_for_a_slurm_allocation_is_the_one_in_the_readme():
     readme = (REPO / "README.md").read_text()
     documented = readme.split("<!-- slurm-command -->")[1].split("```bash\n")[1].split("\n")[0]
     assert out.stdout.strip() == documented
+
+
+def wait_until(condition, what: str, detail=lambda: "", timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{detail()}"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_a_preempted_job_is_requeued_and_resumes_from_the_snapshot_taken_on_the_signal(shakespeare, tmp_path):
+    from slurm_cluster import SlurmCluster
+
+    cluster = SlurmCluster()
+    try:
+        log = tmp_path / "slurm.out"
+        text = lambda: log.read_text() if log.exists() else ""  # noqa: E731
+        # The script's #SBATCH lines ask for 2 nodes with 4 GPUs; the command line overrides them for
+        # this one CPU node. --open-mode=append: the requeued run adds to the same log.
+        job = cluster.run("sbatch", "--parsable", "--nodes=1", f"--cpus-per-task={os.cpu_count()}",
+                          "--gpus-per-node=0", "--open-mode=append", f"--output={log}", str(SCRIPT),
+                          *tiny_overrides(shakespeare, tmp_path, max_steps=100000, save_every=1000,
+                                          log_every=100, eval_every=100000),
+                          env={"NPROC_PER_NODE": "2", "RDZV_PORT": str(free_port())}, cwd=REPO).strip()
+        wait_until(lambda: "| loss " in text(), "the job to train")  # a step line: the loop is running
+        cluster.run("scancel", "--signal=TERM", job)  # what SLURM sends on preemption or before the time limit
+        wait_until(lambda: cluster.job_state(job) not in ("PENDING", "RUNNING", "COMPLETING"), "the job to end")
+        assert "preempted | SIGTERM received | saving step " in text(), text()[-3000:]
+        saved = int(text().split("preempted | SIGTERM received | saving step ")[1].split(";")[0])
+        assert f"snapshot | step {saved} |" in text()
+        cluster.run("scontrol", "requeue", job)  # what SLURM does itself after a preemption (--requeue)
+        wait_until(lambda: f"resume | step {saved} |" in text(), "the requeued job to resume",
+                   lambda: cluster.run("scontrol", "show", "job", job) + text()[-3000:])
+        assert cluster.run("scontrol", "-o", "show", "job", job).split("Restarts=")[1].split()[0] == "1"
+    finally:
+        cluster.stop()
