@@ -2,7 +2,7 @@
 
 Each section of the config is a dataclass next to the code it configures: DataConfig
 (char_dataset.py), GPTConfig (model.py), OptimizerConfig and TrainerConfig
-(train_config.py). They are the only place a key, its type, its default and its
+(train_config.py), DeepSpeedConfig (zero.py). They are the only place a key, its type, its default and its
 meaning are written. This module puts them together as the job's schema and registers
 it with Hydra's ConfigStore; gpt2_train_cfg.yaml composes it through its defaults list.
 Hydra (OmegaConf) then refuses an unknown key or a value of the wrong type, on the
@@ -35,6 +35,10 @@ PARALLEL = {
     "none": ({"parallel": "none"}, "one process, no wrapping"),
     "ddp-star": ({"parallel": "ddp", "grad_reduce": "via_rank0"},
                  "DDP with gradients averaged through rank 0 (a star: the parameter-server pattern)"),
+    **{f"zero{stage}": ({"parallel": "deepspeed"}, f"DeepSpeed ZeRO-{stage}: {what} split over the ranks "
+                        "(pip install -e \".[deepspeed]\")")
+       for stage, what in ((1, "optimizer state"), (2, "optimizer state and gradients"),
+                           (3, "optimizer state, gradients and parameters"))},
 }
 
 RECIPES: dict[str, tuple[dict[str, Any], str]] = {
@@ -59,9 +63,10 @@ def sections() -> dict[str, type]:
     from char_dataset import DataConfig
     from model import GPTConfig
     from train_config import OptimizerConfig, TrainerConfig
+    from zero import DeepSpeedConfig
 
     return {"data_config": DataConfig, "gpt_config": GPTConfig, "optimizer_config": OptimizerConfig,
-            "trainer_config": TrainerConfig}
+            "trainer_config": TrainerConfig, "deepspeed_config": DeepSpeedConfig}
 
 
 def job_schema() -> type:
@@ -124,7 +129,10 @@ def register() -> None:
         store.store(group="model", name=name, package="_global_",
                     node={"gpt_config": {"n_layer": n_layer, "n_head": n_head, "n_embd": n_embd}})
     for name, (values, _) in PARALLEL.items():
-        store.store(group="parallel", name=name, package="_global_", node={"trainer_config": values})
+        node = {"trainer_config": values}
+        if name.startswith("zero"):
+            node["deepspeed_config"] = {"zero_stage": int(name[-1])}
+        store.store(group="parallel", name=name, package="_global_", node=node)
     for name, (values, _) in RECIPES.items():
         node = {k: v for k, v in values.items() if k != "model"}
         if "model" in values:  # a recipe may pick the model; model=... on the command line still wins

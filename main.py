@@ -128,12 +128,12 @@ def run(job) -> int:
         model = GPT(gpt_cfg)
         store = SnapshotStore(tcfg.snapshot_url, tcfg.keep_last, tcfg.s3_endpoint_url)
         # Probe the destination now, not at the first save an hour in: rank 0 writes single-file
-        # snapshots; under FSDP every rank writes its own shards, so every rank probes.
-        writes = ctx.is_main or tcfg.parallel == "fsdp"
+        # snapshots; under FSDP and DeepSpeed every rank writes its own shards, so every rank probes.
+        writes = ctx.is_main or tcfg.parallel in ("fsdp", "deepspeed")
         on_all_ranks(store.check_writable if writes else lambda: None)
         take_snapshot_path(store, tcfg.lease_ttl_s, ctx)
         run_config = {name: to_dict(getattr(job, name)) for name in config.sections()}
-        trainer = Trainer(model, dataset, tcfg, job.optimizer_config, ctx, run_config, store)
+        trainer = Trainer(model, dataset, tcfg, job.optimizer_config, ctx, run_config, store, job.deepspeed_config)
         _KEEP_UNTIL_EXIT.append(trainer)
         on_all_ranks(trainer.resume)
         finished = trainer.train()

@@ -3,7 +3,8 @@
 A snapshot exists when the manifest names it, with its size and sha256 (a sharded one: every
 file's). This module owns the manifest's three rules:
 
-- **Names.** snapshot_<step>[.g<generation>].pt is one file, .dcp a folder of DCP shards; the
+- **Names.** snapshot_<step>[.g<generation>].pt is one file, .dcp a folder of DCP shards, .zero
+  a folder of DeepSpeed's per-rank files; the
   generation is the lease's (lease.py), so two jobs never write the same name.
 - **Untrusted input.** Snapshot paths get shared and downloaded, so every entry is checked
   (entry_problem) before anything it names is read or deleted: only names this project writes
@@ -23,8 +24,13 @@ from lease import LeaseError
 from storage import Storage
 
 MANIFEST = "latest.json"
-SNAPSHOT_RE = re.compile(r"^snapshot_(\d+)(?:\.g(\d+))?\.(pt|dcp)$")
-SHARD_FILE_RE = re.compile(r"^(\.metadata|meta\.pt|__\d+_\d+\.distcp)$")  # what DCP and save_sharded write
+SNAPSHOT_RE = re.compile(r"^snapshot_(\d+)(?:\.g(\d+))?\.(pt|dcp|zero)$")
+# A folder's kind, and the names of the files in it: what DCP (or DeepSpeed) and save_sharded write.
+FOLDER_KINDS = {
+    "dcp": ("sharded", re.compile(r"^(\.metadata|meta\.pt|__\d+_\d+\.distcp)$")),
+    "zero": ("deepspeed", re.compile(r"^(meta\.pt|mp_rank_\d\d_model_states\.pt|"
+                                     r"(bf16_)?zero_pp_rank_\d+_mp_rank_\d\d_(optim|model)_states\.pt)$")),
+}
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 Entries = list[dict]
@@ -51,21 +57,24 @@ def entry_problem(entry: Any) -> str:
         return "not an object"
     match = SNAPSHOT_RE.match(entry["file"]) if isinstance(entry.get("file"), str) else None
     if not match:
-        return "file is not snapshot_<step>[.g<n>].pt or .dcp"
+        return "file is not snapshot_<step>[.g<n>].pt, .dcp or .zero"
     if not _is_count(entry.get("step")) or entry["step"] != int(match.group(1)):
         return "step does not match the file name"
     if not _is_count(entry.get("bytes")):
         return "bytes is not a count"
-    if (match.group(3) == "dcp") != (entry.get("kind") == "sharded"):
-        return "kind does not match the file name"
     if match.group(3) == "pt":
+        if entry.get("kind") in [kind for kind, _ in FOLDER_KINDS.values()]:
+            return "kind does not match the file name"
         return "" if SHA256_RE.match(str(entry.get("sha256"))) else "sha256 is not a sha256 digest"
+    kind, file_re = FOLDER_KINDS[match.group(3)]
+    if entry.get("kind") != kind:
+        return "kind does not match the file name"
     files = entry.get("files")
     if not isinstance(files, dict) or not files:
         return "files is not a table of shard files"
     for name, fingerprint in files.items():
-        if not SHARD_FILE_RE.match(name):
-            return f"shard file {name!r} is not a DCP file name"
+        if not isinstance(name, str) or not file_re.match(name):
+            return f"shard file {name!r} is not a {kind} file name"
         if not isinstance(fingerprint, dict) or not _is_count(fingerprint.get("bytes")) or \
                 not SHA256_RE.match(str(fingerprint.get("sha256"))):
             return f"shard file {name!r} has no size and sha256"

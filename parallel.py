@@ -8,6 +8,8 @@
   all-gathered, and afterwards freed again; gradients are reduce-scattered, so
   each rank keeps only its shard. Memory per rank falls roughly as 1/N, for more
   communication.
+- DeepSpeed ZeRO (zero.py): optimizer state, then gradients, then parameters split over
+  the ranks, by DeepSpeed's engine; the Trainer hands it the model and optimizer.
 - AMP (automatic mixed precision): under DDP or one process, torch.autocast runs each
   op in the precision it assigns (matmuls in bf16 or fp16) while the parameters and the
   optimizer state stay fp32; under FSDP, a MixedPrecisionPolicy runs whole blocks in
@@ -39,7 +41,7 @@ AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 class Plan:
     """How the model is spread over the ranks and in which precision it computes (trainer_config's keys)."""
 
-    parallel: str = "ddp"  # ddp | fsdp | none
+    parallel: str = "ddp"  # ddp | fsdp | deepspeed | none
     grad_reduce: str = "all_reduce"  # DDP: all_reduce | via_rank0
     use_amp: bool = False
     amp_dtype: str = "bf16"
@@ -70,6 +72,15 @@ def check_supported(plan: Plan, ctx: DistContext) -> None:
                           "memory: it needs parallel=fsdp on GPUs; set fsdp_cpu_offload=false")
     if grad_reduce == "via_rank0" and parallel != "ddp":
         raise ConfigError("trainer_config.grad_reduce=via_rank0 is a DDP communication hook; use parallel=ddp")
+    if parallel == "deepspeed":
+        if not ctx.distributed:
+            raise ConfigError("trainer_config.parallel=deepspeed needs a process group: launch with torchrun or the "
+                              "deepspeed launcher (--nproc_per_node=1 for one process)")
+        if plan.compile:
+            raise ConfigError("trainer_config.compile=true is not tried with parallel=deepspeed here; set compile=false")
+        if plan.use_amp and plan.amp_dtype == "fp16" and ctx.device.type != "cuda":
+            raise ConfigError("DeepSpeed's fp16 (with its loss scaler) is for GPUs; on CPUs use "
+                              "trainer_config.amp_dtype=bf16")
 
 
 # No type annotations on the hook: DDP checks them, and `from __future__ import annotations`
@@ -138,8 +149,9 @@ def wrap_model(model: nn.Module, plan: Plan, ctx: DistContext) -> nn.Module:
 
 
 def autocast(plan: Plan, device: torch.device) -> AbstractContextManager:
-    """The forward pass's precision context. FSDP casts parameters itself (MixedPrecisionPolicy)."""
-    if not plan.use_amp or plan.parallel == "fsdp":
+    """The forward pass's precision context. FSDP (MixedPrecisionPolicy) and DeepSpeed (a bf16/fp16
+    copy of the model) cast the parameters themselves."""
+    if not plan.use_amp or plan.parallel in ("fsdp", "deepspeed"):
         return nullcontext()
     return torch.autocast(device_type=device.type, dtype=AMP_DTYPES[plan.amp_dtype])
 

@@ -17,6 +17,7 @@ Layout under the snapshot URL (a directory or URL prefix):
 
     snapshot_00000500.g1.pt   torch.save of the state dict (g1: written under lease generation 1)
     snapshot_00001000.g2.pt   (a later job on the same path holds generation 2)
+    snapshot_00001500.g2.dcp/ FSDP: every rank's DCP shards + meta.pt; .zero/: DeepSpeed's per-rank files
     latest.json               manifest: the committed snapshots, newest last, with size + sha256,
                               and the generation that last committed
     lease.json                who writes here now (lease.py)
@@ -61,6 +62,17 @@ from manifest import MANIFEST, SNAPSHOT_RE, Manifest, newest_first, snapshot_nam
 from storage import open_storage, storage_hint
 
 META = "meta.pt"  # in a sharded snapshot: everything but the model and optimizer tensors
+EXTENSIONS = {"sharded": "dcp", "deepspeed": "zero"}  # a multi-file snapshot's kind -> its folder's extension
+
+
+def dcp_writer(app_state: dict) -> Callable[[str], str]:
+    """save_sharded's writer for DTensor state (FSDP): torch.distributed.checkpoint's shards of it."""
+    def write(stage: str) -> str:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(app_state, storage_writer=dcp.FileSystemWriter(stage))
+        return stage
+    return write
 
 
 class SnapshotError(RuntimeError):
@@ -234,27 +246,27 @@ class SnapshotStore:
         except Exception as e:  # noqa: BLE001 - a leftover file is not lost work
             warn0(f"could not delete {self.url}/{entry['file']} ({type(e).__name__}: {e}); it can be removed by hand")
 
-    def save_sharded(self, app_state: dict, meta: dict | None, step: int, is_main: bool) -> dict | None:
-        """Collective: every rank writes its own shards with torch.distributed.checkpoint (DCP).
+    def save_sharded(self, write: Callable[[str], str], meta: dict | None, step: int, is_main: bool,
+                     kind: str = "sharded") -> dict | None:
+        """Collective: every rank writes its own part of the state, in parallel.
 
-        app_state holds DTensors (each rank's shard of model and optimizer). DCP
-        writes them to a rank-local staging directory; each rank then stores its
-        files under snapshot_<step>.g<generation>.dcp/ itself, in parallel. Rank 0 adds meta.pt
-        (step, RNG states, config...) and commits the manifest listing every file
-        with its size and sha256: until then the snapshot does not exist.
+        write(stage) writes this rank's files into a rank-local staging directory and returns
+        the folder holding them: dcp_writer(app_state) for DCP shards of DTensors (kind
+        "sharded"), zero.ZeroEngine.save for DeepSpeed's partitions (kind "deepspeed"). Each
+        rank then stores its files under snapshot_<step>.g<generation>.dcp/ (or .zero/) itself.
+        Rank 0 adds meta.pt (step, RNG states, config...) and commits the manifest listing every
+        file with its size and sha256: until then the snapshot does not exist.
         """
-        import torch.distributed.checkpoint as dcp
-
         from distributed import all_gather_objects
 
-        name = self._name(step, "dcp")
+        name = self._name(step, EXTENSIONS[kind])
         try:
             mine, error = {}, None
-            with tempfile.TemporaryDirectory(prefix="dcp-stage-") as stage:
-                dcp.save(app_state, storage_writer=dcp.FileSystemWriter(stage))
+            with tempfile.TemporaryDirectory(prefix=f"{kind}-stage-") as stage:
+                folder = write(stage)
                 try:
-                    for file in sorted(os.listdir(stage)):
-                        with open(os.path.join(stage, file), "rb") as f:
+                    for file in sorted(os.listdir(folder)):
+                        with open(os.path.join(folder, file), "rb") as f:
                             data = f.read()
                         self._retry(lambda: self.storage.write(f"{name}/{file}", data))
                         mine[file] = _fingerprint(data)
@@ -272,14 +284,14 @@ class SnapshotStore:
             meta_bytes = _serialize(meta)
             self._retry(lambda: self.storage.write(f"{name}/{META}", meta_bytes))
             files[META] = _fingerprint(meta_bytes)
-            entry = {"file": name, "step": step, "kind": "sharded", "files": files,
+            entry = {"file": name, "step": step, "kind": kind, "files": files,
                      "bytes": sum(f["bytes"] for f in files.values())}
             self._publish(entry)
             return entry
         except LeaseError:
             raise
         except Exception as e:  # noqa: BLE001 - reported with a hint, whatever it is
-            raise SnapshotError(f"sharded snapshot save of step {step} to {self.url!r} failed "
+            raise SnapshotError(f"{kind} snapshot save of step {step} to {self.url!r} failed "
                                 f"({type(e).__name__}: {e}); {_hint(e)}") from e
 
     def save_async(self, state: dict, step: int) -> None:
@@ -339,18 +351,25 @@ class SnapshotStore:
 
     def _stage(self, entry: dict, directory: str) -> None:
         """Copy a sharded snapshot's files into a local directory, each checked against the manifest
-        (DCP reads shards from a directory, wherever the snapshot is stored)."""
+        (DCP and DeepSpeed read their files from a directory, wherever the snapshot is stored)."""
+        os.makedirs(directory, exist_ok=True)
         for file, expected in entry["files"].items():
             with open(os.path.join(directory, file), "wb") as f:
                 f.write(self._read_checked(f"{entry['file']}/{file}", expected))
 
     def _open(self, entry: dict, map_location) -> OpenSnapshot:
         """Read and check every file of one snapshot; its metadata is then known, its tensors ready."""
-        if entry.get("kind") == "sharded":
-            stage = tempfile.mkdtemp(prefix="dcp-load-")
+        if entry.get("kind") in EXTENSIONS:
+            stage = tempfile.mkdtemp(prefix=f"{entry['kind']}-load-")
+            # DeepSpeed reads <dir>/<tag>/ (zero.TAG); DCP the directory itself.
+            files = os.path.join(stage, "zero") if entry["kind"] == "deepspeed" else stage
             try:
-                self._stage(entry, stage)
-                meta = torch.load(os.path.join(stage, META), map_location=map_location, weights_only=True)
+                self._stage(entry, files)
+                meta = torch.load(os.path.join(files, META), map_location=map_location, weights_only=True)
+                if entry["kind"] == "deepspeed":  # DeepSpeed itself will read them with weights_only=False
+                    from zero import check_weights_only
+
+                    check_weights_only(files)
             except BaseException:
                 shutil.rmtree(stage, ignore_errors=True)
                 raise
@@ -408,17 +427,24 @@ class OpenSnapshot:
 
     def __init__(self, entry: dict, meta: dict, tensors: dict | None = None, stage: str | None = None):
         self.entry, self.meta, self._tensors, self._stage = entry, meta, tensors, stage
+        self.kind = entry.get("kind", "single")  # single | sharded (DCP) | deepspeed
+        self.directory = stage  # where a sharded or DeepSpeed snapshot's checked files are staged
 
     @property
     def sharded(self) -> bool:
-        return self._stage is not None
+        """DCP shards, loadable into any layout at any world size."""
+        return self.kind == "sharded"
 
     def tensors(self, into: dict | None = None) -> dict:
         """{"model": ..., "optimizer": ...}. A single-file snapshot holds full tensors. A sharded one is
         loaded by DCP into `into`, state dicts laid out for this run at any world size (DCP reshards);
         without `into`, its shards are consolidated into full tensors."""
-        if not self.sharded:
+        if self.kind == "single":
             return self._tensors
+        if self.kind == "deepspeed":  # its fp32 partitions put back together: the weights, no optimizer
+            from zero import consolidated_model
+
+            return {"model": consolidated_model(self._stage)}
         if into is not None:
             import torch.distributed.checkpoint as dcp
 

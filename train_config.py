@@ -82,7 +82,8 @@ class TrainerConfig:
     sample_chars: int = 200
     """Characters generated at each evaluation (0: none)."""
     parallel: str = "ddp"
-    """How the model is spread over ranks: ddp (full replicas), fsdp (FSDP2 shards), none (one process)."""
+    """How the model is spread over ranks: ddp (full replicas), fsdp (FSDP2 shards), deepspeed (DeepSpeed ZeRO,
+    stage in deepspeed_config), none (one process)."""
     grad_reduce: str = "all_reduce"
     """DDP: all_reduce (ring, overlapped with backward) or via_rank0 (a star all-reduce: every rank sends
     to rank 0, which sends the mean back; the parameter-server pattern, kept as a baseline to compare against)."""
@@ -133,8 +134,8 @@ class TrainerConfig:
                 raise ConfigError(f"trainer_config.{name} must be positive, got {getattr(self, name)}")
         if self.lease_ttl_s < 0:
             raise ConfigError(f"trainer_config.lease_ttl_s must be >= 0 (0 turns the lease off), got {self.lease_ttl_s}")
-        if self.parallel not in ("ddp", "fsdp", "none"):
-            raise ConfigError(f"trainer_config.parallel must be ddp, fsdp or none, got {self.parallel!r}")
+        if self.parallel not in ("ddp", "fsdp", "deepspeed", "none"):
+            raise ConfigError(f"trainer_config.parallel must be ddp, fsdp, deepspeed or none, got {self.parallel!r}")
         if self.grad_reduce not in ("all_reduce", "via_rank0"):
             raise ConfigError(f"trainer_config.grad_reduce must be all_reduce or via_rank0, got {self.grad_reduce!r}")
         if self.device not in ("auto", "cpu", "cuda"):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import signal
 import threading
 import time
@@ -34,16 +35,18 @@ from config import ConfigError
 from distributed import DistContext, all_gather_objects, all_reduce_mean, max_over_ranks, print0, warn0
 from metrics import MetricsLog, ProgressLine, format_duration
 from model import GPT, GPTConfig
-from parallel import Plan, autocast, check_supported, grad_scaler, set_tf32, wrap_model
+from parallel import Plan, autocast, check_supported, grad_scaler, local_bytes, set_tf32, wrap_model
 from sampler import DataCursor
 from lease import LeaseError
-from snapshot import SnapshotError, SnapshotMismatch, SnapshotStore
+from snapshot import SnapshotError, SnapshotMismatch, SnapshotStore, dcp_writer
 from train_config import OptimizerConfig, TrainerConfig
+from zero import DeepSpeedConfig, ZeroEngine, engine_config
 
 
 class Trainer:
     def __init__(self, model: GPT, dataset: CharDataset, trainer_cfg: TrainerConfig, optim_cfg: OptimizerConfig,
-                 ctx: DistContext, run_config: dict[str, Any], store: SnapshotStore):
+                 ctx: DistContext, run_config: dict[str, Any], store: SnapshotStore,
+                 deepspeed_cfg: DeepSpeedConfig | None = None):
         self.cfg, self.optim_cfg, self.ctx, self.run_config, self.store = trainer_cfg, optim_cfg, ctx, run_config, store
         self.dataset = dataset
         self.device = ctx.device
@@ -51,13 +54,25 @@ class Trainer:
         self.plan = Plan.of(c)  # parallelism and precision, for parallel.py
         check_supported(self.plan, ctx)
         set_tf32(self.plan, self.device)
-        self.sharded = c.parallel == "fsdp"
+        self.sharded = c.parallel == "fsdp"  # DTensor shards, saved with DCP
+        self.num_params = model.num_params()  # counted now: ZeRO-3 empties the parameters it partitions
         self.raw_model = model.to(self.device)  # the plain module (under FSDP: sharded in place)
         self.model = wrap_model(self.raw_model, self.plan, ctx)  # what training calls
         # Built after wrapping: under FSDP the optimizer must hold the sharded parameters.
         self.optimizer = self.raw_model.configure_optimizer(
             optim_cfg.learning_rate, optim_cfg.weight_decay, (optim_cfg.beta1, optim_cfg.beta2), self.device.type)
         self.scaler = grad_scaler(self.plan, self.device)
+        self.accum_steps = trainer_cfg.grad_accum_steps  # may change on resume at another world size
+        self.zero = None  # under parallel=deepspeed, the engine that does backward, clipping and the step
+        if c.parallel == "deepspeed":
+            ds = deepspeed_cfg or DeepSpeedConfig()
+            self.zero = ZeroEngine(self.raw_model, self.optimizer, ds, engine_config(
+                ds, c.batch_size, self.accum_steps, ctx.world_size, optim_cfg.grad_clip,
+                c.amp_dtype if c.use_amp else None), self.device)
+            self.model = self.zero.engine
+            print0(f"deepspeed | ZeRO-{ds.zero_stage} engine ready in {self.zero.startup_seconds:.1f} s")
+        # Every rank must run every forward when each holds only part of the parameters.
+        self.forward_on_all_ranks = self.sharded or (self.zero is not None and self.zero.cfg.zero_stage == 3)
         self.grad_norm = torch.zeros(())
         if len(dataset.train) < ctx.world_size * c.batch_size:
             raise ConfigError(f"the training region has {len(dataset.train)} windows, fewer than one global batch "
@@ -67,7 +82,6 @@ class Trainer:
         self.step = 0
         self.data_seconds = 0.0  # time spent preparing batches since the last log line
         self.last_val_loss: float | None = None  # of the latest evaluation; saved, so a rerun knows a target was met
-        self.accum_steps = trainer_cfg.grad_accum_steps  # may change on resume at another world size
         # Each rank gets its own random stream (dropout must differ across ranks'
         # different samples); all streams follow from the one configured seed.
         torch.manual_seed(trainer_cfg.seed + ctx.rank)
@@ -102,6 +116,7 @@ class Trainer:
             "world_size": self.ctx.world_size,
             "global_batch": self.cfg.batch_size * self.ctx.world_size * self.accum_steps,
             "scaler": self.scaler.state_dict(),  # fp16 loss scale and its growth tracker
+            "deepspeed": {"zero_stage": self.zero.cfg.zero_stage} if self.zero else None,
             "rng": rng,
             "config": self.run_config,
             "vocab": self.dataset.tokenizer.chars,
@@ -121,16 +136,39 @@ class Trainer:
             raise SnapshotMismatch(
                 f"snapshot under {self.store.url!r} is for another model shape: {'; '.join(mismatched)}; "
                 "use matching gpt_config/data_config settings or another trainer_config.run_dir")
+        self._check_same_partitioning(meta)
         if meta["vocab"] != self.dataset.tokenizer.chars:
             raise SnapshotMismatch(
                 f"snapshot under {self.store.url!r} was trained on a different vocabulary; "
                 "use the same data_config.path or another trainer_config.run_dir")
 
+    def _check_same_partitioning(self, meta: dict[str, Any]) -> None:
+        """DeepSpeed's files are its engine's, partitioned per rank: they resume with DeepSpeed, at the
+        same ZeRO stage and world size (DDP and FSDP snapshots resume anywhere but under DeepSpeed)."""
+        saved = meta.get("deepspeed")
+        where = f"snapshot under {self.store.url!r}"
+        if saved and not self.zero:
+            raise SnapshotMismatch(f"{where} was written by DeepSpeed ZeRO-{saved['zero_stage']}; resume with "
+                                   f"trainer_config.parallel=deepspeed deepspeed_config.zero_stage={saved['zero_stage']}, "
+                                   "or export its weights with python snapshot.py consolidate")
+        if self.zero and not saved:
+            raise SnapshotMismatch(f"{where} was written by parallel={meta['config']['trainer_config']['parallel']}, "
+                                   "which DeepSpeed cannot load; resume with that, or use another trainer_config.run_dir")
+        if self.zero and saved["zero_stage"] != self.zero.cfg.zero_stage:
+            raise SnapshotMismatch(f"{where} was written by DeepSpeed ZeRO-{saved['zero_stage']}; resume with "
+                                   f"deepspeed_config.zero_stage={saved['zero_stage']}")
+        if self.zero and meta["world_size"] != self.ctx.world_size:
+            raise SnapshotMismatch(f"{where} holds DeepSpeed partitions for {meta['world_size']} ranks, and this job "
+                                   f"has {self.ctx.world_size}; resume with {meta['world_size']} ranks (nnodes x "
+                                   "nproc_per_node), or export its weights with python snapshot.py consolidate")
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        # A single-file snapshot holds full tensors; a sharded one was loaded into our own layout.
-        full = self.sharded and not isinstance(next(iter(state["model"].values())), DTensor)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=full))
+        """Everything a snapshot restores; model and optimizer only if given (DeepSpeed loads its own)."""
+        if "model" in state:
+            # A single-file snapshot holds full tensors; a sharded one was loaded into our own layout.
+            full = self.sharded and not isinstance(next(iter(state["model"].values())), DTensor)
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=full))
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.step = state["step"]
@@ -174,11 +212,12 @@ class Trainer:
 
     def _write_snapshot(self, block: bool) -> float:
         t0 = time.perf_counter()
-        if self.sharded:  # every rank writes its own shards, in parallel
-            entry = self.store.save_sharded(self.tensor_state(), self.meta_state(), self.step, self.ctx.is_main)
+        if self.sharded or self.zero:  # every rank writes its own shards (or DeepSpeed partitions), in parallel
+            write, kind = (self.zero.save, "deepspeed") if self.zero else (dcp_writer(self.tensor_state()), "sharded")
+            entry = self.store.save_sharded(write, self.meta_state(), self.step, self.ctx.is_main, kind)
             if entry:
                 print0(f"snapshot | step {self.step} | {entry['bytes'] / 1e6:.1f} MB in {len(entry['files'])} files "
-                       f"(sharded) | {time.perf_counter() - t0:.2f} s | {self.store.url}/{entry['file']}")
+                       f"({kind}) | {time.perf_counter() - t0:.2f} s | {self.store.url}/{entry['file']}")
             return time.perf_counter() - t0
         state = self.state_dict()  # every rank takes part in gathering the RNG states...
         if self.ctx.is_main:  # ...but only global rank 0 writes: one snapshot per job, not per node
@@ -200,8 +239,13 @@ class Trainer:
             state = None
             if snapshot is not None:
                 self.check_compatible(snapshot.meta)  # 1. the metadata: refuse another model or corpus
-                # 2. the tensors: a sharded snapshot is loaded straight into this run's own layout
-                tensors = snapshot.tensors(into=self.tensor_state() if snapshot.sharded else None)
+                # 2. the tensors: a sharded snapshot is loaded straight into this run's own layout;
+                # DeepSpeed's engine reads its own files (each rank its partition).
+                if self.zero:
+                    self.zero.load(snapshot.directory)
+                    tensors = {}
+                else:
+                    tensors = snapshot.tensors(into=self.tensor_state() if snapshot.sharded else None)
                 state = {**snapshot.meta, **tensors}
         steps = all_gather_objects(state["step"] if state else None)
         if len(set(steps)) > 1:  # e.g. one node could not read the newest snapshot and fell back
@@ -268,7 +312,8 @@ class Trainer:
         cfg = self.cfg
         if not cfg.use_amp:
             return "fp32 (TF32 matmuls)" if self.device.type == "cuda" and cfg.tf32 else "fp32"
-        words = f"{cfg.amp_dtype} parameters (FSDP mixed precision)" if self.sharded else f"{cfg.amp_dtype} autocast"
+        words = f"{cfg.amp_dtype} parameters (FSDP mixed precision)" if self.sharded else \
+            f"{cfg.amp_dtype} parameters, fp32 master weights (DeepSpeed)" if self.zero else f"{cfg.amp_dtype} autocast"
         return words + (" + GradScaler" if self.scaler.is_enabled() else "")
 
     def _autocast(self):
@@ -296,17 +341,25 @@ class Trainer:
             self.data_seconds += time.perf_counter() - t0
             with self._gradient_sync(micro == n_micro - 1), self._autocast():
                 _, loss = self.model(x, y)
-            self.scaler.scale(loss / n_micro).backward()  # scale: a no-op unless fp16
+            if self.zero:  # the engine scales for accumulation, and steps after the last micro-step
+                self.zero.backward(loss)
+            else:
+                self.scaler.scale(loss / n_micro).backward()  # scale: a no-op unless fp16
             loss_sum += loss.detach()
+        self.grad_norm = self.zero.grad_norm() if self.zero else self._clip_and_step()
+        self.step += 1
+        return loss_sum / n_micro
+
+    def _clip_and_step(self) -> torch.Tensor:
+        """Clip the gradients and update the parameters; returns the gradient norm before clipping."""
         # Unscale before clipping, so the clip threshold applies to the true gradients.
         self.scaler.unscale_(self.optimizer)
         # The norm over all parameters (all shards, under FSDP); inf = measure without clipping.
-        self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip or math.inf)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip or math.inf)
         self.scaler.step(self.optimizer)  # skips the step if fp16 gradients overflowed
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)  # free gradient memory instead of writing zeros
-        self.step += 1
-        return loss_sum / n_micro
+        return norm
 
     def _target_reached(self) -> bool:
         """The latest evaluation (this run's, or the snapshot's) met trainer_config.target_val_loss."""
@@ -361,6 +414,8 @@ class Trainer:
         window, t_start = _LogWindow(self.step, self.device), time.perf_counter()
         while self.step < self.cfg.max_steps:
             window.add(self.train_step())
+            if self.step == window.start_step + 1:  # AdamW creates its state at the first step
+                self._report_optimizer_memory()
             progress.update(self.step)
             last = self.step == self.cfg.max_steps
             evaluate = self.step % self.cfg.eval_every == 0 or last
@@ -375,7 +430,8 @@ class Trainer:
             if last:
                 break
         progress.clear()
-        print0(f"done | step {self.step} | {format_duration(time.perf_counter() - t_start)} wall time this run")
+        print0(f"done | step {self.step} | {format_duration(time.perf_counter() - t_start)} wall time this run | "
+               f"peak memory per rank {self._peak_memory()}")
         return True
 
     def _announce(self) -> None:
@@ -384,10 +440,30 @@ class Trainer:
         tokens_per_step = cfg.batch_size * self.raw_model.config.block_size * W * self.accum_steps
         epochs = cfg.max_steps * tokens_per_step / self.raw_model.config.block_size / len(self.dataset.train)
         mode = f"{cfg.parallel} (gradients via rank 0)" if cfg.grad_reduce == "via_rank0" else cfg.parallel
-        print0(f"train | {self.raw_model.num_params() / 1e6:.2f}M parameters | {mode} | {self._precision()}"
+        if self.zero:
+            mode = f"deepspeed ZeRO-{self.zero.cfg.zero_stage}" + \
+                (" + optimizer offload" if self.zero.cfg.offload_optimizer else "") + \
+                (" + parameter offload" if self.zero.cfg.offload_params else "")
+        print0(f"train | {self.num_params / 1e6:.2f}M parameters | {mode} | {self._precision()}"
                f"{' + compile' if cfg.compile else ''} | world size {W} | "
                f"global batch {cfg.batch_size * W * self.accum_steps} windows = {tokens_per_step} tokens | "
                f"steps {self.step}->{cfg.max_steps} (~{epochs:.2f} epochs)")
+
+    def _report_optimizer_memory(self) -> None:
+        """One line: the optimizer state (AdamW's two moments) each rank holds, as a mean over the ranks.
+        Under DDP every rank holds all of it; ZeRO (any stage) and FSDP split it, 1/N per rank."""
+        optimizer = self.zero.engine.optimizer.optimizer if self.zero else self.optimizer  # ZeRO's wraps torch's
+        moments = [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t) and t.dim()]
+        mean = all_reduce_mean(torch.tensor(float(local_bytes(moments)), device=self.device)).item()
+        print0(f"memory | optimizer state {mean / 1e6:.3f} MB per rank (AdamW's 2 moments, mean over ranks)")
+
+    def _peak_memory(self) -> str:
+        """The most memory any rank has held: its process's peak resident size (and on GPUs, the peak
+        of tensors on its GPU). Collective: every rank reports, the largest is printed."""
+        host_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+        gpu_mb = torch.cuda.max_memory_allocated(self.device) / 2**20 if self.device.type == "cuda" else 0.0
+        host_mb, gpu_mb = (max(values) for values in zip(*all_gather_objects((host_mb, gpu_mb))))
+        return f"{host_mb:.0f} MiB host" + (f", {gpu_mb:.0f} MiB GPU" if gpu_mb else "") + " (largest rank)"
 
     def _nothing_to_do(self) -> bool:
         """A rerun of a finished run (target met, or max_steps reached) trains nothing."""
@@ -424,7 +500,7 @@ class Trainer:
             line = f"eval | step {step} | val loss {record['val_loss']:.4f}"
             # Under FSDP every rank must take part in each forward (they all-gather
             # parameters), so all ranks generate the same sample; rank 0 prints it.
-            if cfg.sample_chars and (self.ctx.is_main or self.sharded):
+            if cfg.sample_chars and (self.ctx.is_main or self.forward_on_all_ranks):
                 record["sample"] = self._sample()
                 line += f" | sample: {record['sample']!r}"
             print0(line)

@@ -80,3 +80,17 @@ def test_gpu_check_skips_cleanly_without_a_gpu_and_its_harness_runs_on_the_cpu(s
     assert rehearsal.returncode == 0, rehearsal.stdout[-2000:] + rehearsal.stderr[-2000:]
     [row] = json.loads((tmp_path / "gc.json").read_text())["rows"]
     assert row["check"] == "single fp32 (TF32)" and row["result"] == "pass" and "ms/step" in row["numbers"]
+
+
+def test_compare_smoke_mode_times_rows_end_to_end_and_says_why_a_row_cannot_run(shakespeare, tmp_path):
+    out = tmp_path / "compare.json"
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "compare.py"), "--smoke", "--data",
+                             str(shakespeare), "--out", str(out), "--rows", "one process,spawn_launch,Horovod"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| the notes' row (their minutes) | here | ranks | launch to exit, s |" in result.stdout
+    rows = {r["here"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["one process"]["ranks"] == 1 and rows["DDP, tutorials/spawn_launch.py"]["ranks"] == 2
+    for timed in ("one process", "DDP, tutorials/spawn_launch.py"):
+        assert rows[timed]["wall_s"] > 0 and rows[timed]["peak_host_mib"] > 0 and rows[timed]["tokens"] > 0
+    assert "does not build" in rows["Horovod"]["skipped"]
