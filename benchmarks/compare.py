@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -133,6 +132,7 @@ def main() -> int:
     if not os.path.exists(args.data):
         sys.exit(f"error: no corpus at {args.data}; run python data/fetch_shakespeare.py or pass --data")
     import torch
+    from bench import hardware
 
     if args.gpu:
         nproc, device, workload = torch.cuda.device_count(), "cuda", WORKLOADS["gpu"]
@@ -143,7 +143,7 @@ def main() -> int:
     rows = [r for r in ROWS if not args.rows or any(w.strip() in r[2] for w in args.rows.split(","))]
     if not rows:
         sys.exit(f"error: --rows {args.rows!r} matches none of: {', '.join(r[2] for r in ROWS)}")
-    hw = torch.cuda.get_device_name(0) if args.gpu else (platform.processor() or platform.machine())
+    hw = hardware()["device"]
     print(f"compare | {hw} | {os.cpu_count()} cores | torch {torch.__version__} | {nproc} ranks per row | "
           f"{' '.join(workload[0])}, {workload[1]} windows per rank, {workload[2]} steps", flush=True)
     results = []

@@ -81,13 +81,17 @@ def test_a_killed_zero3_job_resumes_exactly(shakespeare, tmp_path):
 
 def test_a_zero_snapshot_is_refused_where_it_cannot_resume_naming_what_to_do(shakespeare, tmp_path):
     assert train(shakespeare, tmp_path, "zero2", max_steps=10).returncode == 0
+    def snapshots():
+        return json.loads((tmp_path / "snapshots" / MANIFEST).read_text())["snapshots"]
+
+    before = snapshots()
     cases = {"ddp": (2, "resume with trainer_config.parallel=deepspeed deepspeed_config.zero_stage=2"),
              "zero3": (2, "resume with deepspeed_config.zero_stage=2"),
              "zero2": (1, "holds DeepSpeed partitions for 2 ranks, and this job has 1; resume with 2 ranks")}
     for parallel, (nproc, advice) in cases.items():
         result = train(shakespeare, tmp_path, parallel, nproc=nproc, max_steps=20)
         assert result.returncode == 1 and advice in result.stderr, (parallel, result.stderr[-2000:])
-    assert train(shakespeare, tmp_path, "zero2", max_steps=20).returncode == 0  # nothing was lost
+    assert snapshots() == before  # refused before any snapshot was written or deleted
 
 
 def test_consolidate_and_sample_read_a_zero_snapshot(shakespeare, tmp_path):
