@@ -79,6 +79,9 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head = cfg.n_head
         self.attn_dropout = cfg.attn_dropout
+        # Under autocast, run attention itself in fp32: on some CPUs the bf16 attention kernels are
+        # slower than fp32 ones. parallel.py decides, by timing both at start (autocast_attention_fp32).
+        self.fp32_under_autocast = False
         # One matmul produces queries, keys and values for all heads at once.
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
@@ -94,9 +97,13 @@ class CausalSelfAttention(nn.Module):
         # is_causal=True masks future positions inside the fused kernel. (A float
         # 0/1 tril matrix passed as attn_mask would be *added* to the scores and
         # mask nothing; a boolean mask or is_causal is what hides the future.)
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.attn_dropout if self.training else 0.0, is_causal=True
-        )  # (B, nh, T, hs)
+        dropout_p = self.attn_dropout if self.training else 0.0
+        if self.fp32_under_autocast and torch.is_autocast_enabled(q.device.type):
+            with torch.autocast(q.device.type, enabled=False):  # the matmuls around it stay in autocast
+                y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), dropout_p=dropout_p,
+                                                   is_causal=True)  # (B, nh, T, hs) fp32
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads: (B, T, C)
         return self.resid_dropout(self.proj(y))
 

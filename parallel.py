@@ -23,6 +23,7 @@ Wrapping lives here, not in model.py: the model stays a plain nn.Module.
 
 from __future__ import annotations
 
+import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
@@ -162,6 +163,49 @@ def set_tf32(plan: Plan, device: torch.device) -> None:
     fp32 matmuls. torch leaves it off by default; nanoGPT and most recipes turn it on."""
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high" if plan.tf32 else "highest")
+
+
+def cpu_flags() -> set[str]:
+    """The instruction-set flags of this machine's CPU (Linux /proc/cpuinfo; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def bf16_native(device: torch.device, flags: set[str] | None = None) -> tuple[bool, str]:
+    """Whether the device computes bf16 in hardware, and the evidence, in words. On a CPU without
+    AVX-512 BF16 or AMX, bf16 is converted to fp32 and back around every multiply (slower than fp32)."""
+    if device.type == "cuda":
+        native = torch.cuda.is_bf16_supported(including_emulation=False)
+        return native, f"{torch.cuda.get_device_name(device)} {'has' if native else 'lacks'} bf16 units"
+    found = sorted((cpu_flags() if flags is None else flags) & {"avx512_bf16", "amx_bf16"})
+    return bool(found), f"CPU has {' and '.join(found)}" if found else "CPU lacks AVX-512 BF16 and AMX"
+
+
+def time_attention(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int, int], reps: int = 5) -> float:
+    """Milliseconds for one causal scaled_dot_product_attention forward + backward at shape (B, nh, T, hs)."""
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    times = []
+    for _ in range(reps + 1):  # the first is a warm-up
+        t0 = time.perf_counter()
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return 1e3 * sorted(times[1:])[reps // 2]  # the median
+
+
+def autocast_attention_fp32(plan: Plan, device: torch.device, shape: tuple[int, int, int, int]) -> tuple[bool, str]:
+    """Under bf16 autocast, should attention run in fp32? Decided by timing both on this device at the
+    model's shape (a few milliseconds at start), not assumed: some CPUs' bf16 attention kernels are
+    slower than their fp32 ones. Returns the choice and the two times, in words."""
+    if not plan.use_amp or plan.amp_dtype != "bf16" or plan.parallel in ("fsdp", "deepspeed"):
+        return False, ""
+    bf16_ms, fp32_ms = time_attention(device, torch.bfloat16, shape), time_attention(device, torch.float32, shape)
+    return fp32_ms < bf16_ms, f"attention {'fp32' if fp32_ms < bf16_ms else 'bf16'} " \
+                              f"(measured here: bf16 {bf16_ms:.2f} ms, fp32 {fp32_ms:.2f} ms)"
 
 
 def grad_scaler(plan: Plan, device: torch.device) -> torch.amp.GradScaler:

@@ -35,7 +35,8 @@ from config import ConfigError
 from distributed import DistContext, all_gather_objects, all_reduce_mean, max_over_ranks, print0, warn0
 from metrics import MetricsLog, ProgressLine, format_duration
 from model import GPT, GPTConfig
-from parallel import Plan, autocast, check_supported, grad_scaler, local_bytes, set_tf32, wrap_model
+from parallel import (Plan, autocast, autocast_attention_fp32, bf16_native, check_supported, grad_scaler, local_bytes,
+                      set_tf32, wrap_model)
 from sampler import DataCursor
 from lease import LeaseError
 from snapshot import SnapshotError, SnapshotMismatch, SnapshotStore, dcp_writer
@@ -71,6 +72,14 @@ class Trainer:
                 c.amp_dtype if c.use_amp else None), self.device)
             self.model = self.zero.engine
             print0(f"deepspeed | ZeRO-{ds.zero_stage} engine ready in {self.zero.startup_seconds:.1f} s")
+        # Under bf16 autocast attention runs in whichever precision is faster on this device: timed once
+        # at start by rank 0 (a few ms), so that every rank computes alike.
+        g = model.config
+        shape = (c.batch_size, g.n_head, g.block_size, g.n_embd // g.n_head)  # (B, nh, T, hs)
+        self.attention_fp32, self.attention_choice = all_gather_objects(
+            autocast_attention_fp32(self.plan, self.device, shape) if ctx.is_main else None)[0]
+        for block in self.raw_model.blocks:
+            block.attn.fp32_under_autocast = self.attention_fp32
         # Every rank must run every forward when each holds only part of the parameters.
         self.forward_on_all_ranks = self.sharded or (self.zero is not None and self.zero.cfg.zero_stage == 3)
         self.grad_norm = torch.zeros(())
@@ -314,6 +323,8 @@ class Trainer:
             return "fp32 (TF32 matmuls)" if self.device.type == "cuda" and cfg.tf32 else "fp32"
         words = f"{cfg.amp_dtype} parameters (FSDP mixed precision)" if self.sharded else \
             f"{cfg.amp_dtype} parameters, fp32 master weights (DeepSpeed)" if self.zero else f"{cfg.amp_dtype} autocast"
+        if cfg.amp_dtype == "bf16":  # whether the hardware has bf16 units decides if bf16 pays off
+            words += f" ({bf16_native(self.device)[1]})" + (f", {self.attention_choice}" if self.attention_choice else "")
         return words + (" + GradScaler" if self.scaler.is_enabled() else "")
 
     def _autocast(self):

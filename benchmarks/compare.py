@@ -148,6 +148,11 @@ def main() -> int:
           f"{' '.join(workload[0])}, {workload[1]} windows per rank, {workload[2]} steps", flush=True)
     results = []
     with tempfile.TemporaryDirectory(prefix="compare-") as workdir:
+        zero_rows = [r for r in rows if any(o.startswith("parallel=zero") for o in r[4])]
+        if zero_rows:  # DeepSpeed's first use on a machine compiles an op (about a minute): not part of a row
+            print("compare | warm-up, not timed: one short DeepSpeed run (its first use compiles a shared-memory op)",
+                  flush=True)
+            run_row(zero_rows[0], nproc, (workload[0], workload[1], 2), args.data, device, workdir + "/warm-up")
         for row in rows:
             results.append(run_row(row, nproc, workload, args.data, device, workdir))
             r = results[-1]

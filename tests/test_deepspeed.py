@@ -60,6 +60,16 @@ def test_zero_stages_train_like_ddp_and_split_the_optimizer_state(stage, ddp_run
     assert entry["kind"] == "deepspeed" and entry["file"].endswith(".zero") and len(entry["files"]) >= 4
 
 
+def test_cpu_offload_of_optimizer_state_and_parameters_trains_the_same_losses(ddp_run, shakespeare, tmp_path):
+    # Offloading moves where the state lives (for GPU jobs: into CPU memory), not what is computed.
+    result = run_main(tiny_overrides(shakespeare, tmp_path, **{**STEPS, "max_steps": 10}) +
+                      ["parallel=zero3", "deepspeed_config.offload_optimizer=true",
+                       "deepspeed_config.offload_params=true"], nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "deepspeed ZeRO-3 + optimizer offload + parameter offload" in result.stdout
+    assert losses(tmp_path) == pytest.approx(losses(ddp_run[0])[:10], rel=1e-4)
+
+
 def test_a_killed_zero3_job_resumes_exactly(shakespeare, tmp_path):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     settings = dict(max_steps=30, save_every=10, log_every=1, eval_every=10)

@@ -1,8 +1,10 @@
 """The decisions a GPU machine depends on, made by small functions tested here without a GPU:
-which device a rank uses, which backends its process group gets, TF32, the torch version, and
+which device a rank uses, which backends its process group gets, TF32, whether bf16 is native and how
+attention computes under bf16 autocast, the torch version, and
 the fp16 loss-scaling path (which runs on CPU too)."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ from char_dataset import CharDataset, DataConfig
 from config import ConfigError
 from distributed import DistContext, backend_for, choose_device
 from model import GPT, GPTConfig
-from parallel import Plan, check_supported, set_tf32
+from parallel import Plan, autocast_attention_fp32, bf16_native, check_supported, set_tf32
 from snapshot import SnapshotStore
 from train_config import OptimizerConfig, TrainerConfig
 from trainer import Trainer
@@ -110,3 +112,22 @@ def test_gradients_are_unscaled_before_clipping(shakespeare, tmp_path):
     fp16.train_step()
     # The reported norm is the true gradient's, not 65536 times it: clipping saw the unscaled gradients.
     assert float(fp16.grad_norm) == pytest.approx(float(fp32.grad_norm), rel=0.05)
+
+
+@pytest.mark.parametrize("flags, native", [({"avx512f", "avx2"}, False), ({"avx512f", "avx512_bf16"}, True),
+                                           ({"amx_bf16", "amx_tile"}, True), (set(), False)])
+def test_bf16_counts_as_native_on_a_cpu_only_with_avx512_bf16_or_amx(flags, native):
+    found, evidence = bf16_native(torch.device("cpu"), flags)
+    assert found is native
+    assert ("CPU has" if native else "CPU lacks AVX-512 BF16 and AMX") in evidence
+
+
+def test_attention_precision_under_bf16_autocast_is_decided_by_timing_both():
+    shape = (2, 2, 16, 8)  # (B, nh, T, hs)
+    fp32, words = autocast_attention_fp32(Plan(use_amp=True, amp_dtype="bf16"), torch.device("cpu"), shape)
+    bf16_ms, fp32_ms = (float(x) for x in re.findall(r"([\d.]+) ms", words))
+    assert fp32 == (fp32_ms < bf16_ms) and words.startswith(f"attention {'fp32' if fp32 else 'bf16'}")
+    # Nothing to decide without bf16 autocast, or where the wrapper casts the parameters itself.
+    for plan in (Plan(use_amp=False), Plan(use_amp=True, amp_dtype="fp16"), Plan(parallel="fsdp", use_amp=True),
+                 Plan(parallel="deepspeed", use_amp=True)):
+        assert autocast_attention_fp32(plan, torch.device("cpu"), shape) == (False, "")

@@ -113,3 +113,25 @@ def test_every_named_size_builds_a_valid_shape():
 def test_invalid_shapes_are_config_errors(kwargs, needle):
     with pytest.raises(ConfigError, match=needle):
         GPTConfig(**kwargs)
+
+
+def test_attention_switched_to_fp32_under_bf16_autocast_gives_the_same_result_to_bf16_rounding():
+    idx = torch.randint(0, 11, (3, 8))
+    model = tiny()
+    with torch.no_grad():
+        reference = model(idx, idx)[1]  # fp32 throughout
+    losses = {}
+    for fp32_attention in (False, True):
+        for block in model.blocks:
+            block.attn.fp32_under_autocast = fp32_attention
+        seen = []
+        hook = model.blocks[0].attn.proj.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = model(idx, idx)
+        hook.remove()
+        loss.backward()  # and it trains
+        losses[fp32_attention] = loss.item()
+        # What attention hands the output projection: fp32 when it ran in fp32 (autocast casts it for the matmul).
+        assert seen == [torch.float32 if fp32_attention else torch.bfloat16]
+    assert losses[True] == pytest.approx(reference.item(), rel=2e-2)
+    assert losses[False] == pytest.approx(reference.item(), rel=2e-2)
