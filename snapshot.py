@@ -361,14 +361,15 @@ class SnapshotStore:
         """Read and check every file of one snapshot; its metadata is then known, its tensors ready."""
         if entry.get("kind") in EXTENSIONS:
             stage = tempfile.mkdtemp(prefix=f"{entry['kind']}-load-")
-            # DeepSpeed reads <dir>/<tag>/ (zero.TAG); DCP the directory itself.
-            files = os.path.join(stage, "zero") if entry["kind"] == "deepspeed" else stage
+            files = stage  # DCP reads the directory itself
+            if entry["kind"] == "deepspeed":
+                from zero import TAG, check_weights_only
+
+                files = os.path.join(stage, TAG)  # DeepSpeed reads <dir>/<tag>/
             try:
                 self._stage(entry, files)
                 meta = torch.load(os.path.join(files, META), map_location=map_location, weights_only=True)
                 if entry["kind"] == "deepspeed":  # DeepSpeed itself will read them with weights_only=False
-                    from zero import check_weights_only
-
                     check_weights_only(files)
             except BaseException:
                 shutil.rmtree(stage, ignore_errors=True)

@@ -45,6 +45,7 @@ import torch  # noqa: E402
 
 from metrics import MetricsLog  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+from parallel import cpu_flags  # noqa: E402
 
 # Recipes are the `recipe` config group (config.py): the shape, context and batch each sets, composed
 # the way main.py composes them. Their batch is the global batch of every mode here.
@@ -82,13 +83,10 @@ SMOKE_MODES = [("single process", 1, {"parallel": "none"}), ("DDP x2", 2, {"para
 def hardware() -> dict:
     if torch.cuda.is_available():
         return {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "torch": torch.__version__}
-    model, flags = platform.processor(), set()
+    model, flags = platform.processor(), cpu_flags()
     if os.path.exists("/proc/cpuinfo"):
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
+        model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                     model)
     extras = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags]
     return {"device": f"{model} ({', '.join(extras) or 'no AVX-512'})", "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
             "torch": torch.__version__}

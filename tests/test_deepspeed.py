@@ -4,6 +4,7 @@ promises, and its snapshots keep this project's promises (exact resume, checked 
 Real torchrun jobs at world size 2 on CPU (DS_ACCELERATOR=cpu, gloo), tiny models, seconds each.
 """
 
+import hashlib
 import json
 import os
 import pickle
@@ -82,8 +83,8 @@ def test_a_killed_zero3_job_resumes_exactly(shakespeare, tmp_path):
     resumed = train(shakespeare, killed, "zero3", **settings)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resume | step 10 |" in resumed.stdout or "resume | step 20 |" in resumed.stdout
-    a, b = MetricsLog.read(str(straight / "metrics.jsonl")), MetricsLog.read(str(killed / "metrics.jsonl"))
-    assert [r["step"] for r in b if "train_loss" in r] == list(range(1, 31))  # every step once
+    records = MetricsLog.read(str(killed / "metrics.jsonl"))
+    assert [r["step"] for r in records if "train_loss" in r] == list(range(1, 31))  # every step once
     assert losses(killed) == losses(straight)
     wa, wb = (SnapshotStore(str(d / "snapshots")).load_latest()["model"] for d in (straight, killed))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
@@ -138,8 +139,6 @@ def test_a_crafted_deepspeed_file_is_never_unpickled_and_the_run_falls_back(shak
     data = pickle.dumps({"optimizer_state_dict": RunsCode(marker)})
     (snap_dir / newest["file"] / name).write_bytes(data)
     # The manifest is rewritten to match: the file passes the size and sha256 checks.
-    import hashlib
-
     newest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (snap_dir / MANIFEST).write_text(json.dumps(manifest))
     result = train(shakespeare, tmp_path, "zero2", max_steps=30)
