@@ -1,7 +1,7 @@
 """How a run is configured: one schema, registered with Hydra, and the config groups users switch between.
 
 Each section of the config is a dataclass next to the code it configures: DataConfig
-(char_dataset.py), GPTConfig (model.py), OptimizerConfig and TrainerConfig
+(char_dataset.py), GPTConfig (model.py), OptimizerConfig (optim.py), TrainerConfig
 (train_config.py), DeepSpeedConfig (zero.py). They are the only place a key, its type, its default and its
 meaning are written. This module puts them together as the job's schema and registers
 it with Hydra's ConfigStore; gpt2_train_cfg.yaml composes it through its defaults list.
@@ -53,6 +53,13 @@ RECIPES: dict[str, tuple[dict[str, Any], str]] = {
                                      "run_dir": "runs/fast_cpu"},
                   "optimizer_config": {"learning_rate": 6e-3, "warmup_steps": 50}},
                  "to val loss 1.88 fastest on 2 CPU cores: batch 24, lr 6e-3, a 700-step cosine"),
+    "speedrun-cpu": ({"gpt_config": {"rotary": True, "qk_norm": True},
+                      "trainer_config": {"batch_size": 24, "max_steps": 300, "eval_every": 25, "eval_iters": 10,
+                                         "run_dir": "runs/speedrun_cpu"},
+                      "optimizer_config": {"optimizer": "muon", "muon_lr": 0.05, "learning_rate": 6e-3,
+                                           "warmup_steps": 50}},
+                     "this project's record to val loss 1.88 on CPUs: fast-cpu + Muon, rotary, QK-norm, a 300-step "
+                     "cosine (benchmarks/time_to_quality.py --ablation)"),
     "gpt2-gpu": ({"model": "gpt2", "data_config": {"block_size": 1024},
                   "trainer_config": {"batch_size": 16, "use_amp": True, "compile": True, "run_dir": "runs/gpt2"}},
                  "GPT-2 small's shape (124M parameters with a GPT-2 vocabulary), context 1024, bf16 + compile"),
@@ -62,7 +69,8 @@ def sections() -> dict[str, type]:
     """The config's sections, each a dataclass beside the code it configures."""
     from char_dataset import DataConfig
     from model import GPTConfig
-    from train_config import OptimizerConfig, TrainerConfig
+    from optim import OptimizerConfig
+    from train_config import TrainerConfig
     from zero import DeepSpeedConfig
 
     return {"data_config": DataConfig, "gpt_config": GPTConfig, "optimizer_config": OptimizerConfig,

@@ -40,6 +40,7 @@ from distributed import (DistContext, all_gather_objects, barrier, exit_process,
                          teardown_distributed)
 from lease import LeaseError
 from model import GPT
+from parallel import choose_precision
 from snapshot import SnapshotError, SnapshotStore
 from trainer import Trainer
 
@@ -111,8 +112,10 @@ def run(job) -> int:
     try:
         ctx = setup_distributed(tcfg.collective_timeout_s, tcfg.device)
         threads = set_cpu_threads(ctx, tcfg.cpu_threads)
+        use_amp, amp_dtype, why = choose_precision(tcfg.use_amp, tcfg.amp_dtype, ctx.device)
         print0(f"job | world size {ctx.world_size} | backend {torch.distributed.get_backend() if ctx.distributed else 'none'}"
-               f" | device {ctx.device} | {threads} CPU threads per rank | restart {ctx.restart_count} | seed {tcfg.seed}")
+               f" | device {ctx.device} | {threads} CPU threads per rank | restart {ctx.restart_count} | seed {tcfg.seed}"
+               f" | precision {amp_dtype + ' mixed' if use_amp else 'fp32'} ({why})")
         if ctx.restart_count and ctx.is_main:
             print0(f"restart | torchrun restarted the workers (TORCHELASTIC_RESTART_COUNT={ctx.restart_count}) | "
                    f"{previous_attempt_report(ctx) or 'no report from the previous attempt'}")
@@ -135,7 +138,7 @@ def run(job) -> int:
         run_config = {name: to_dict(getattr(job, name)) for name in config.sections()}
         trainer = Trainer(model, dataset, tcfg, job.optimizer_config, ctx, run_config, store, job.deepspeed_config)
         _KEEP_UNTIL_EXIT.append(trainer)
-        on_all_ranks(trainer.resume)
+        on_all_ranks(trainer.checkpointer.resume)
         finished = trainer.train()
         # Leave together: a rank exiting while rank 0 still writes its last snapshot
         # has been seen to abort the gloo teardown ("terminate called without an active exception").

@@ -11,6 +11,7 @@ nh = number of heads, hs = head size (C // nh), V = vocabulary size.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -57,6 +58,21 @@ class GPTConfig:
     """Set from the dataset's vocabulary at run time (a value given here is replaced)."""
     block_size: int = 0
     """Context length; set from data_config.block_size at run time (a value given here is replaced)."""
+    # The speedrun's switches (modded-nanogpt); each off is nanoGPT's model. The ablation table in the
+    # README (benchmarks/time_to_quality.py --ablation) measures what each one buys.
+    rotary: bool = False
+    """Rotary position embeddings (queries and keys rotated by position) instead of a learned position table."""
+    qk_norm: bool = False
+    """RMS-normalise each head's queries and keys before attention (keeps attention logits bounded)."""
+    activation: str = "gelu"
+    """The MLP's nonlinearity: gelu, or relu2 (ReLU squared, max(0, x)^2: Primer's and the speedrun's)."""
+    zero_init_proj: bool = False
+    """Start the projections that write into the residual stream (and an untied head) at zero, so each block
+    starts as the identity."""
+    tie_embeddings: bool = True
+    """The output head reuses the token embedding matrix (GPT-2); false: the head has its own matrix."""
+    logit_softcap: float = 0.0
+    """Squash logits smoothly into (-cap, cap) with cap * tanh(logits / cap); 0: off."""
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd"):
@@ -69,9 +85,47 @@ class GPTConfig:
         for name in ("dropout", "attn_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"gpt_config.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.activation not in ACTIVATIONS:
+            raise ConfigError(f"gpt_config.activation must be one of {', '.join(ACTIVATIONS)}, got {self.activation!r}")
+        if self.logit_softcap < 0:
+            raise ConfigError(f"gpt_config.logit_softcap must be >= 0 (0: off), got {self.logit_softcap}")
+        if self.rotary and (self.n_embd // self.n_head) % 2:
+            raise ConfigError(f"gpt_config.rotary=true needs an even head size; n_embd / n_head = "
+                              f"{self.n_embd // self.n_head}")
 
-    # The fields a snapshot must agree on to be loadable into this model.
-    SHAPE_FIELDS: ClassVar[tuple[str, ...]] = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size", "bias")
+    # The fields a snapshot must agree on to be loadable into this model: its shape, and what the
+    # weights were trained to compute (the same tensors under another activation would load, and be wrong).
+    SHAPE_FIELDS: ClassVar[tuple[str, ...]] = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size", "bias",
+                                               "rotary", "qk_norm", "activation", "tie_embeddings", "logit_softcap")
+
+
+ACTIVATIONS = {"gelu": F.gelu, "relu2": lambda x: F.relu(x).square()}
+
+
+class Rotary:
+    """Rotary position embedding (RoPE, Su et al. 2021): each pair of channels of a query or key is
+    rotated by an angle proportional to its position, so q.k depends on the distance between two
+    positions, not on where they are. No parameters; the rotations are computed once per device."""
+
+    def __init__(self, head_size: int, block_size: int, base: float = 10000.0):
+        self.freqs = base ** (-torch.arange(0, head_size, 2, dtype=torch.float32) / head_size)  # (hs/2,)
+        self.block_size = block_size
+        self.tables: dict[torch.device, torch.Tensor] = {}
+
+    def __call__(self, T: int, device: torch.device) -> torch.Tensor:
+        """e^(i * position * frequency) for each position and channel pair: (T, 1, 1, hs/2) complex."""
+        if device not in self.tables:
+            angles = torch.outer(torch.arange(self.block_size, dtype=torch.float32), self.freqs)  # (block, hs/2)
+            self.tables[device] = torch.polar(torch.ones_like(angles), angles)[:, None, None].to(device)
+        return self.tables[device][:T]
+
+
+def rotate(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate fp32 (B, T, 2, nh, hs) queries and keys: channels (2i, 2i+1) are one complex number,
+    multiplied by e^(i * position * frequency_i). One complex multiply instead of the six real ops
+    of the split-halves form: on a CPU that is 2.4x faster, forward + backward."""
+    pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))  # (B, T, 2, nh, hs/2) complex
+    return torch.view_as_real(pairs * rope).flatten(-2)  # (B, T, 2, nh, hs)
 
 
 class CausalSelfAttention(nn.Module):
@@ -79,6 +133,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head = cfg.n_head
         self.attn_dropout = cfg.attn_dropout
+        self.qk_norm = cfg.qk_norm
         # Under autocast, run attention itself in fp32: on some CPUs the bf16 attention kernels are
         # slower than fp32 ones. parallel.py decides, by timing both at start (autocast_attention_fp32).
         self.fp32_under_autocast = False
@@ -87,22 +142,28 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
-        # Split channels into heads: (B, T, C) -> (B, nh, T, hs).
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        # One matmul gives queries, keys and values, split into heads: (B, T, 3C) -> (B, T, 3, nh, hs).
+        qkv = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head)
+        qk, v = qkv[:, :, :2], qkv[:, :, 2]  # (B, T, 2, nh, hs): queries and keys, treated alike
+        if self.qk_norm or rope is not None:
+            qk = qk.float()  # in fp32: the complex rotation needs it, and CPUs' bf16 elementwise ops are slow
+            if self.qk_norm:  # unit RMS per head: a logit q.k/sqrt(hs) can then not grow without bound
+                qk = F.rms_norm(qk, (qk.size(-1),))
+            if rope is not None:
+                qk = rotate(qk, rope)
+        # Attention in fp32 inside autocast where that times faster (parallel.autocast_attention_fp32),
+        # else in v's precision (bf16 under autocast or FSDP's bf16 parameters, fp32 otherwise).
+        fp32 = self.fp32_under_autocast and torch.is_autocast_enabled(x.device.type)
+        dtype = torch.float32 if fp32 else v.dtype
+        q, k = qk.unbind(2)
+        q, k, v = (t.to(dtype).transpose(1, 2) for t in (q, k, v))  # 3 x (B, nh, T, hs)
         # is_causal=True masks future positions inside the fused kernel. (A float
         # 0/1 tril matrix passed as attn_mask would be *added* to the scores and
         # mask nothing; a boolean mask or is_causal is what hides the future.)
         dropout_p = self.attn_dropout if self.training else 0.0
-        if self.fp32_under_autocast and torch.is_autocast_enabled(q.device.type):
-            with torch.autocast(q.device.type, enabled=False):  # the matmuls around it stay in autocast
-                y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), dropout_p=dropout_p,
-                                                   is_causal=True)  # (B, nh, T, hs) fp32
-        else:
+        with torch.autocast(x.device.type, enabled=False) if fp32 else nullcontext():  # the matmuls stay in autocast
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads: (B, T, C)
         return self.resid_dropout(self.proj(y))
@@ -112,12 +173,12 @@ class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
-        self.gelu = nn.GELU()
+        self.activation = ACTIVATIONS[cfg.activation]
         self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.proj(self.gelu(self.fc(x))))  # (B, T, C) -> (B, T, 4C) -> (B, T, C)
+        return self.dropout(self.proj(self.activation(self.fc(x))))  # (B, T, C) -> (B, T, 4C) -> (B, T, C)
 
 
 class Block(nn.Module):
@@ -130,8 +191,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), rope)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -142,14 +203,18 @@ class GPT(nn.Module):
             raise ConfigError("GPTConfig.vocab_size and block_size must be set (from the dataset) before building GPT")
         self.config = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)  # token embedding
-        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)  # learned position embedding
+        # Where a token is: a learned vector per position added to the input, or (rotary) a rotation of
+        # the queries and keys inside attention.
+        self.wpe = None if cfg.rotary else nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.rotary = Rotary(cfg.n_embd // cfg.n_head, cfg.block_size) if cfg.rotary else None
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         # Weight tying (GPT-2, nanoGPT): the output projection reuses the token
         # embedding matrix, saving V*C parameters and helping small-data training.
-        self.lm_head.weight = self.wte.weight
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
 
         # GPT-2 initialisation: N(0, 0.02) everywhere, and the projections that
         # write into the residual stream scaled by 1/sqrt(2 * n_layer), so the
@@ -158,6 +223,10 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        if cfg.zero_init_proj:  # modded-nanogpt: every block starts as the identity, the head predicts uniform
+            for name, p in self.named_parameters():
+                if name.endswith("proj.weight") or (name == "lm_head.weight" and not cfg.tie_embeddings):
+                    nn.init.zeros_(p)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -171,7 +240,7 @@ class GPT(nn.Module):
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; position embeddings excluded by default, as in GPT-2's paper."""
         n = sum(p.numel() for p in self.parameters())
-        return n - self.wpe.weight.numel() if non_embedding else n
+        return n - self.wpe.weight.numel() if non_embedding and self.wpe is not None else n
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token (forward + backward): 6N for the matmuls plus attention (PaLM appendix B)."""
@@ -184,11 +253,17 @@ class GPT(nn.Module):
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence of length {T} is longer than block_size {self.config.block_size}")
-        pos = torch.arange(T, device=idx.device)  # (T,)
-        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C) + (T, C) broadcast -> (B, T, C)
+        x = self.wte(idx)  # (B, T, C)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(T, device=idx.device))  # (B, T, C) + (T, C) broadcast
+        rope = self.rotary(T, idx.device) if self.rotary is not None else None  # (T, 1, 1, hs/2) complex
+        x = self.drop(x)
         for block in self.blocks:
-            x = block(x)  # (B, T, C)
+            x = block(x, rope)  # (B, T, C)
         logits = self.lm_head(self.ln_f(x))  # (B, T, V)
+        if self.config.logit_softcap:  # in fp32: tanh of bf16 logits would round them coarsely
+            cap = self.config.logit_softcap
+            logits = cap * torch.tanh(logits.float() / cap)
         loss = None
         if targets is not None:
             # Flatten batch and time: every position is one next-character prediction. The loss
@@ -227,20 +302,3 @@ class GPT(nn.Module):
             idx = torch.cat((idx, next_token), dim=1)
         self.train(was_training)
         return idx
-
-    def configure_optimizer(
-        self, learning_rate: float, weight_decay: float, betas: tuple[float, float], device_type: str
-    ) -> torch.optim.AdamW:
-        """AdamW with weight decay on matrices only (2-D weights and embeddings).
-
-        Biases and LayerNorm gains are 1-D: decaying them towards zero only hurts,
-        so they go in a group with weight_decay=0.
-        """
-        params = [p for p in self.parameters() if p.requires_grad]  # tied weights appear once
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        # The fused kernel updates all parameters in one pass instead of a loop of small ops;
-        # torch has it for CUDA and CPU tensors.
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type in ("cuda", "cpu"))

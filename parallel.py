@@ -44,7 +44,7 @@ class Plan:
 
     parallel: str = "ddp"  # ddp | fsdp | deepspeed | none
     grad_reduce: str = "all_reduce"  # DDP: all_reduce | via_rank0
-    use_amp: bool = False
+    use_amp: bool = False  # resolved: "auto" is decided by choose_precision before a Plan is made
     amp_dtype: str = "bf16"
     reshard_after_forward: bool = True  # FSDP
     cpu_offload: bool = False  # FSDP
@@ -52,10 +52,30 @@ class Plan:
     tf32: bool = True
 
     @classmethod
-    def of(cls, c) -> Plan:
-        """The plan a TrainerConfig describes."""
-        return cls(c.parallel, c.grad_reduce, c.use_amp, c.amp_dtype, c.fsdp_reshard_after_forward,
+    def of(cls, c, device: torch.device) -> Plan:
+        """The plan a TrainerConfig describes on this device ("auto" precision decided here)."""
+        use_amp, amp_dtype, _ = choose_precision(c.use_amp, c.amp_dtype, device)
+        return cls(c.parallel, c.grad_reduce, use_amp, amp_dtype, c.fsdp_reshard_after_forward,
                    c.fsdp_cpu_offload, c.compile, c.tf32)
+
+
+def choose_precision(use_amp: bool | str, amp_dtype: str, device: torch.device,
+                     flags: set[str] | None = None) -> tuple[bool, str, str]:
+    """Resolve trainer_config's "auto" precision for a device: (use_amp, amp_dtype, why, in words).
+
+    Mixed precision pays only where the hardware multiplies in 16 bits: bf16 on GPUs that have bf16
+    units and CPUs with AVX-512 BF16 or AMX; fp16 tensor cores on older GPUs. A CPU without them
+    converts bf16 to fp32 and back around every multiply, slower than fp32 itself, so auto stays in
+    fp32 there. flags: CPU flags to decide from instead of this machine's (tests inject them)."""
+    native, evidence = bf16_native(device, flags)
+    dtype = amp_dtype if amp_dtype != "auto" else "bf16" if native or device.type != "cuda" else "fp16"
+    if use_amp != "auto":
+        return bool(use_amp), dtype, f"trainer_config.use_amp={str(bool(use_amp)).lower()}"
+    if device.type == "cuda":
+        return True, dtype, f"auto: {evidence}" + ("" if native else ", fp16 tensor cores")
+    if dtype == "bf16" and native:
+        return True, dtype, f"auto: {evidence}"
+    return False, dtype, f"auto: {evidence}, so {dtype} would be emulated, slower than fp32"
 
 
 def check_supported(plan: Plan, ctx: DistContext) -> None:

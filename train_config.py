@@ -1,53 +1,18 @@
-"""What a training run does: the optimizer and its schedule, and the trainer's knobs.
+"""What a training run does: the trainer's knobs (the optimizers' are in optim.py).
 
-Two config sections, `optimizer_config` and `trainer_config`, each a typed dataclass whose
-fields are the keys (config.py registers them with Hydra, which checks keys and types;
-__post_init__ checks ranges). The Trainer in trainer.py is the code they configure.
+The config section `trainer_config` is a typed dataclass whose fields are the keys (config.py
+registers it with Hydra, which checks keys and types; __post_init__ checks ranges and resolves
+nothing that depends on the machine: "auto" values are decided at start, in parallel.py).
+The Trainer in trainer.py is the code it configures.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
+from typing import Union
 
 from config import ConfigError
-
-
-@dataclass
-class OptimizerConfig:
-    """AdamW and its learning-rate schedule (config section `optimizer_config`)."""
-
-    learning_rate: float = 1e-3
-    """Peak learning rate, reached at the end of warmup."""
-    min_lr: float = 1e-4
-    """Learning rate at max_steps; the cosine decays from learning_rate to this."""
-    warmup_steps: int = 100
-    """Steps of linear warmup up to learning_rate (step s uses learning_rate * (s+1) / warmup_steps)."""
-    weight_decay: float = 0.1
-    """AdamW's decoupled weight decay, on matrices and embeddings only (model.configure_optimizer)."""
-    beta1: float = 0.9
-    """AdamW's decay rate for the running mean of gradients."""
-    beta2: float = 0.99
-    """AdamW's decay rate for the running mean of squared gradients (0.99: nanoGPT's value for small data)."""
-    grad_clip: float = 1.0
-    """Clip the global gradient norm to this (0 disables clipping)."""
-
-    def __post_init__(self) -> None:
-        if self.learning_rate <= 0 or self.min_lr < 0 or self.min_lr > self.learning_rate:
-            raise ConfigError("optimizer_config: need learning_rate > 0 and 0 <= min_lr <= learning_rate")
-        if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0:
-            raise ConfigError("optimizer_config: warmup_steps, weight_decay and grad_clip must be >= 0")
-        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
-            raise ConfigError("optimizer_config: beta1 and beta2 must be in [0, 1)")
-
-    def lr_at(self, step: int, max_steps: int) -> float:
-        """Linear warmup, then cosine decay to min_lr at max_steps. A pure function of the step,
-        so resuming at step s continues the schedule exactly."""
-        if step < self.warmup_steps:
-            return self.learning_rate * (step + 1) / self.warmup_steps
-        progress = min(1.0, (step - self.warmup_steps) / max(1, max_steps - self.warmup_steps))
-        return self.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (self.learning_rate - self.min_lr)
 
 
 @dataclass
@@ -94,10 +59,12 @@ class TrainerConfig:
     device: str = "auto"
     """auto: one GPU per rank (picked by its local rank) if there are GPUs, else the CPU; cpu: the CPU
     and gloo even on a GPU machine; cuda: GPUs, or an error naming what is missing."""
-    use_amp: bool = False
-    """Automatic mixed precision: matmuls in amp_dtype, parameters and optimizer state stay fp32."""
-    amp_dtype: str = "bf16"
-    """bf16 (no scaling needed) or fp16 (narrow range: the loss is scaled by a GradScaler), on CPU or GPU."""
+    use_amp: Union[bool, str] = "auto"
+    """Automatic mixed precision: matmuls in amp_dtype, parameters and optimizer state stay fp32. auto: on where
+    the device computes amp_dtype natively (GPUs; CPUs with AVX-512 BF16 or AMX), fp32 elsewhere."""
+    amp_dtype: str = "auto"
+    """bf16 (no scaling needed) or fp16 (narrow range: the loss is scaled by a GradScaler), on CPU or GPU;
+    auto: bf16, or fp16 on a GPU without bf16 units (before Ampere)."""
     tf32: bool = True
     """On NVIDIA GPUs (Ampere and newer), let fp32 matmuls run on TF32 tensor cores (inputs rounded to a
     10-bit mantissa, fp32 accumulation): several times faster than full fp32. No effect on CPUs."""
@@ -140,8 +107,10 @@ class TrainerConfig:
             raise ConfigError(f"trainer_config.grad_reduce must be all_reduce or via_rank0, got {self.grad_reduce!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"trainer_config.device must be auto, cpu or cuda, got {self.device!r}")
-        if self.amp_dtype not in ("bf16", "fp16"):
-            raise ConfigError(f"trainer_config.amp_dtype must be bf16 or fp16, got {self.amp_dtype!r}")
+        if self.amp_dtype not in ("auto", "bf16", "fp16"):
+            raise ConfigError(f"trainer_config.amp_dtype must be auto, bf16 or fp16, got {self.amp_dtype!r}")
+        if self.use_amp not in (True, False, "auto"):
+            raise ConfigError(f"trainer_config.use_amp must be true, false or auto, got {self.use_amp!r}")
         if self.sample_chars < 0 or self.collective_timeout_s <= 0:
             raise ConfigError("trainer_config: sample_chars must be >= 0 and collective_timeout_s > 0")
         if self.tensorboard:

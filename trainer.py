@@ -1,4 +1,4 @@
-"""The training loop: optimisation, evaluation, logging, and what goes into a snapshot.
+"""The training loop: optimisation, evaluation, logging, and what state goes into a snapshot.
 
 One Trainer runs in every process of the job. Under DDP each process holds a full
 copy (replica) of the model, and DistributedDataParallel averages the gradients of
@@ -31,16 +31,17 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from char_dataset import CharDataset
+from checkpoint import Checkpointer
 from config import ConfigError
-from distributed import DistContext, all_gather_objects, all_reduce_mean, max_over_ranks, print0, warn0
+from distributed import DistContext, all_gather_objects, all_reduce_mean, print0, warn0
 from metrics import MetricsLog, ProgressLine, format_duration
-from model import GPT, GPTConfig
-from parallel import (Plan, autocast, autocast_attention_fp32, bf16_native, check_supported, grad_scaler, local_bytes,
-                      set_tf32, wrap_model)
+from model import GPT
+from optim import OptimizerConfig, build_optimizers, check_muon_supported, set_learning_rates, state_tensors
+from parallel import (Plan, autocast, autocast_attention_fp32, check_supported, choose_precision, grad_scaler,
+                      local_bytes, set_tf32, wrap_model)
 from sampler import DataCursor
-from lease import LeaseError
-from snapshot import SnapshotError, SnapshotMismatch, SnapshotStore, dcp_writer
-from train_config import OptimizerConfig, TrainerConfig
+from snapshot import SnapshotStore
+from train_config import TrainerConfig
 from zero import DeepSpeedConfig, ZeroEngine, engine_config
 
 
@@ -52,24 +53,24 @@ class Trainer:
         self.dataset = dataset
         self.device = ctx.device
         c = trainer_cfg
-        self.plan = Plan.of(c)  # parallelism and precision, for parallel.py
+        self.plan = Plan.of(c, ctx.device)  # parallelism and precision ("auto" decided for this device)
         check_supported(self.plan, ctx)
+        check_muon_supported(optim_cfg, c.parallel)
         set_tf32(self.plan, self.device)
         self.sharded = c.parallel == "fsdp"  # DTensor shards, saved with DCP
         self.num_params = model.num_params()  # counted now: ZeRO-3 empties the parameters it partitions
         self.raw_model = model.to(self.device)  # the plain module (under FSDP: sharded in place)
         self.model = wrap_model(self.raw_model, self.plan, ctx)  # what training calls
-        # Built after wrapping: under FSDP the optimizer must hold the sharded parameters.
-        self.optimizer = self.raw_model.configure_optimizer(
-            optim_cfg.learning_rate, optim_cfg.weight_decay, (optim_cfg.beta1, optim_cfg.beta2), self.device.type)
+        # Built after wrapping: under FSDP the optimizers must hold the sharded parameters.
+        self.optimizers = build_optimizers(self.raw_model, optim_cfg, self.device.type)  # [AdamW] or [AdamW, Muon]
         self.scaler = grad_scaler(self.plan, self.device)
         self.accum_steps = trainer_cfg.grad_accum_steps  # may change on resume at another world size
         self.zero = None  # under parallel=deepspeed, the engine that does backward, clipping and the step
         if c.parallel == "deepspeed":
             ds = deepspeed_cfg or DeepSpeedConfig()
-            self.zero = ZeroEngine(self.raw_model, self.optimizer, ds, engine_config(
+            self.zero = ZeroEngine(self.raw_model, self.optimizers[0], ds, engine_config(
                 ds, c.batch_size, self.accum_steps, ctx.world_size, optim_cfg.grad_clip,
-                c.amp_dtype if c.use_amp else None), self.device)
+                self.plan.amp_dtype if self.plan.use_amp else None), self.device)
             self.model = self.zero.engine
             print0(f"deepspeed | ZeRO-{ds.zero_stage} engine ready in {self.zero.startup_seconds:.1f} s")
         # Under bf16 autocast attention runs in whichever precision is faster on this device: timed once
@@ -96,20 +97,19 @@ class Trainer:
         torch.manual_seed(trainer_cfg.seed + ctx.rank)
         self.metrics = MetricsLog(trainer_cfg.metrics_file if ctx.is_main else "",
                                   trainer_cfg.tensorboard_dir if ctx.is_main else "", still_owner=store.owns_path)
-        self.failed_saves = 0  # save points in a row whose snapshot could not be written (rank 0 counts)
-        self._counted_since: dict | None = None  # the snapshot committed when the count last started
         self.stop_signal: int | None = None  # set by SIGTERM/SIGINT: finish the step, snapshot, exit
         self._stop_requested_at = 0.0  # when (time.monotonic) that signal came
         self._trace = None
         if trainer_cfg.trace_samples_path:
             os.makedirs(trainer_cfg.trace_samples_path, exist_ok=True)
             self._trace = open(os.path.join(trainer_cfg.trace_samples_path, f"rank{ctx.rank}.jsonl"), "a")
+        self.checkpointer = Checkpointer(self)  # resume, periodic saves, what a failed save or a signal means
 
-    # ----------------------------------------------------------------- snapshots
+    # ------------------------------------------------------------ snapshot state
     def tensor_state(self) -> dict[str, Any]:
         """Model and optimizer state keyed by parameter name (the same names with DDP, FSDP or
         neither, so any kind of run can load any kind of snapshot); DTensor shards under FSDP."""
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizers)  # one dict for all optimizers
         return {"model": model_sd, "optimizer": optim_sd}
 
     def meta_state(self) -> dict[str, Any]:
@@ -135,48 +135,12 @@ class Trainer:
         """The whole snapshot as one dict (what a single-file snapshot holds)."""
         return {**self.meta_state(), **self.tensor_state()}
 
-    def check_compatible(self, meta: dict[str, Any]) -> None:
-        """Refuse a snapshot of another model shape or vocabulary, naming what differs."""
-        saved_gpt = meta["config"]["gpt_config"]
-        current = self.raw_model.config
-        mismatched = [f"{f} (snapshot {saved_gpt.get(f)!r}, config {getattr(current, f)!r})"
-                      for f in GPTConfig.SHAPE_FIELDS if saved_gpt.get(f) != getattr(current, f)]
-        if mismatched:
-            raise SnapshotMismatch(
-                f"snapshot under {self.store.url!r} is for another model shape: {'; '.join(mismatched)}; "
-                "use matching gpt_config/data_config settings or another trainer_config.run_dir")
-        self._check_same_partitioning(meta)
-        if meta["vocab"] != self.dataset.tokenizer.chars:
-            raise SnapshotMismatch(
-                f"snapshot under {self.store.url!r} was trained on a different vocabulary; "
-                "use the same data_config.path or another trainer_config.run_dir")
-
-    def _check_same_partitioning(self, meta: dict[str, Any]) -> None:
-        """DeepSpeed's files are its engine's, partitioned per rank: they resume with DeepSpeed, at the
-        same ZeRO stage and world size (DDP and FSDP snapshots resume anywhere but under DeepSpeed)."""
-        saved = meta.get("deepspeed")
-        where = f"snapshot under {self.store.url!r}"
-        if saved and not self.zero:
-            raise SnapshotMismatch(f"{where} was written by DeepSpeed ZeRO-{saved['zero_stage']}; resume with "
-                                   f"trainer_config.parallel=deepspeed deepspeed_config.zero_stage={saved['zero_stage']}, "
-                                   "or export its weights with python snapshot.py consolidate")
-        if self.zero and not saved:
-            raise SnapshotMismatch(f"{where} was written by parallel={meta['config']['trainer_config']['parallel']}, "
-                                   "which DeepSpeed cannot load; resume with that, or use another trainer_config.run_dir")
-        if self.zero and saved["zero_stage"] != self.zero.cfg.zero_stage:
-            raise SnapshotMismatch(f"{where} was written by DeepSpeed ZeRO-{saved['zero_stage']}; resume with "
-                                   f"deepspeed_config.zero_stage={saved['zero_stage']}")
-        if self.zero and meta["world_size"] != self.ctx.world_size:
-            raise SnapshotMismatch(f"{where} holds DeepSpeed partitions for {meta['world_size']} ranks, and this job "
-                                   f"has {self.ctx.world_size}; resume with {meta['world_size']} ranks (nnodes x "
-                                   "nproc_per_node), or export its weights with python snapshot.py consolidate")
-
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Everything a snapshot restores; model and optimizer only if given (DeepSpeed loads its own)."""
         if "model" in state:
             # A single-file snapshot holds full tensors; a sharded one was loaded into our own layout.
             full = self.sharded and not isinstance(next(iter(state["model"].values())), DTensor)
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+            set_state_dict(self.model, self.optimizers, model_state_dict=state["model"],
                            optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=full))
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
@@ -200,78 +164,6 @@ class Trainer:
             warn0(f"the snapshot walked epoch {cursor['epoch']} in another order; the rest of that epoch follows this "
                   "version's order, so some of its windows may repeat or be skipped (later epochs are exact)")
         self.data_cursor.load_state_dict(cursor)
-
-    def _keep_global_batch(self, global_batch: int) -> None:
-        """At a new world size, keep the global batch (and so the meaning of a step and of the
-        learning-rate schedule) by changing gradient accumulation; the per-rank batch stays."""
-        per_micro_step = self.cfg.batch_size * self.ctx.world_size
-        if global_batch % per_micro_step:
-            warn0(f"global batch {global_batch} is not a multiple of batch_size x world size = {per_micro_step}; "
-                  f"continuing with a global batch of {per_micro_step * self.accum_steps}")
-            return
-        self.accum_steps = global_batch // per_micro_step
-        print0(f"resume | global batch kept at {global_batch} windows = "
-               f"{self.cfg.batch_size} per rank x {self.ctx.world_size} ranks x {self.accum_steps} accumulation steps")
-
-    def save_snapshot(self, block: bool = False) -> float:
-        """Save the current state; returns (and records in the metrics) the seconds training was stalled."""
-        stalled = self._write_snapshot(block)
-        self.metrics.write({"step": self.step, "event": "snapshot", "stall_ms": round(1e3 * stalled, 2)})
-        return stalled
-
-    def _write_snapshot(self, block: bool) -> float:
-        t0 = time.perf_counter()
-        if self.sharded or self.zero:  # every rank writes its own shards (or DeepSpeed partitions), in parallel
-            write, kind = (self.zero.save, "deepspeed") if self.zero else (dcp_writer(self.tensor_state()), "sharded")
-            entry = self.store.save_sharded(write, self.meta_state(), self.step, self.ctx.is_main, kind)
-            if entry:
-                print0(f"snapshot | step {self.step} | {entry['bytes'] / 1e6:.1f} MB in {len(entry['files'])} files "
-                       f"({kind}) | {time.perf_counter() - t0:.2f} s | {self.store.url}/{entry['file']}")
-            return time.perf_counter() - t0
-        state = self.state_dict()  # every rank takes part in gathering the RNG states...
-        if self.ctx.is_main:  # ...but only global rank 0 writes: one snapshot per job, not per node
-            if self.cfg.async_save and not block:
-                self.store.save_async(state, self.step)
-                print0(f"snapshot | step {self.step} | copied to CPU in {time.perf_counter() - t0:.3f} s, "
-                       "writing in the background")
-            else:
-                self.store.wait()  # a background save still in flight must land first
-                entry = self.store.save(state, self.step)
-                print0(f"snapshot | step {self.step} | {entry['bytes'] / 1e6:.1f} MB | "
-                       f"{time.perf_counter() - t0:.2f} s | {self.store.url}/{entry['file']}")
-        return time.perf_counter() - t0
-
-    def resume(self) -> None:
-        # To CPU memory first: set_state_dict copies onto the parameters' device (or shards
-        # for FSDP), and RNG states must stay CPU tensors.
-        with self.store.open_latest(map_location="cpu") as snapshot:
-            state = None
-            if snapshot is not None:
-                self.check_compatible(snapshot.meta)  # 1. the metadata: refuse another model or corpus
-                # 2. the tensors: a sharded snapshot is loaded straight into this run's own layout;
-                # DeepSpeed's engine reads its own files (each rank its partition).
-                if self.zero:
-                    self.zero.load(snapshot.directory)
-                    tensors = {}
-                else:
-                    tensors = snapshot.tensors(into=self.tensor_state() if snapshot.sharded else None)
-                state = {**snapshot.meta, **tensors}
-        steps = all_gather_objects(state["step"] if state else None)
-        if len(set(steps)) > 1:  # e.g. one node could not read the newest snapshot and fell back
-            raise SnapshotError(f"ranks loaded different snapshots (steps {steps}) from {self.store.url!r}; "
-                                "check that every node sees the same snapshot storage (trainer_config.run_dir / "
-                                "snapshot_path)")
-        if state is None:
-            print0(f"resume | no snapshot under {self.store.url} | starting fresh at step 0")
-            self.metrics.truncate_after(0)  # records of an earlier run here are not this run's history
-            return
-        self.load_state_dict(state)
-        print0(f"resume | step {self.step} | epoch {self.data_cursor.epoch} | "
-               f"{self.data_cursor.samples_consumed} samples into the epoch "
-               f"| saved at world size {state['world_size']}, now {self.ctx.world_size} | from {self.store.url}")
-        if state["global_batch"] != self.cfg.batch_size * self.ctx.world_size * self.accum_steps:
-            self._keep_global_batch(state["global_batch"])
-        self.metrics.truncate_after(self.step)  # steps after the snapshot will be redone
 
     # --------------------------------------------------------------------- data
     def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -317,14 +209,13 @@ class Trainer:
         return tok.decode(out[0, 1:])
 
     def _precision(self) -> str:
-        """How the model computes, in words, for the start-up line."""
-        cfg = self.cfg
-        if not cfg.use_amp:
-            return "fp32 (TF32 matmuls)" if self.device.type == "cuda" and cfg.tf32 else "fp32"
-        words = f"{cfg.amp_dtype} parameters (FSDP mixed precision)" if self.sharded else \
-            f"{cfg.amp_dtype} parameters, fp32 master weights (DeepSpeed)" if self.zero else f"{cfg.amp_dtype} autocast"
-        if cfg.amp_dtype == "bf16":  # whether the hardware has bf16 units decides if bf16 pays off
-            words += f" ({bf16_native(self.device)[1]})" + (f", {self.attention_choice}" if self.attention_choice else "")
+        """How the model computes and why, in words, for the start-up line."""
+        plan, why = self.plan, choose_precision(self.cfg.use_amp, self.cfg.amp_dtype, self.device)[2]
+        if not plan.use_amp:
+            return ("fp32 (TF32 matmuls)" if self.device.type == "cuda" and plan.tf32 else "fp32") + f" ({why})"
+        words = f"{plan.amp_dtype} parameters (FSDP mixed precision)" if self.sharded else \
+            f"{plan.amp_dtype} parameters, fp32 master weights (DeepSpeed)" if self.zero else f"{plan.amp_dtype} autocast"
+        words += f" ({why})" + (f", {self.attention_choice}" if self.attention_choice else "")
         return words + (" + GradScaler" if self.scaler.is_enabled() else "")
 
     def _autocast(self):
@@ -341,9 +232,7 @@ class Trainer:
 
     def train_step(self) -> torch.Tensor:
         """One optimizer step over grad_accum_steps micro-batches; returns the mean loss (on device)."""
-        lr = self.optim_cfg.lr_at(self.step, self.cfg.max_steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_learning_rates(self.optimizers, self.optim_cfg, self.step, self.cfg.max_steps)
         n_micro = self.accum_steps
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(n_micro):
@@ -364,12 +253,14 @@ class Trainer:
     def _clip_and_step(self) -> torch.Tensor:
         """Clip the gradients and update the parameters; returns the gradient norm before clipping."""
         # Unscale before clipping, so the clip threshold applies to the true gradients.
-        self.scaler.unscale_(self.optimizer)
+        for optimizer in self.optimizers:
+            self.scaler.unscale_(optimizer)
         # The norm over all parameters (all shards, under FSDP); inf = measure without clipping.
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip or math.inf)
-        self.scaler.step(self.optimizer)  # skips the step if fp16 gradients overflowed
+        for optimizer in self.optimizers:
+            self.scaler.step(optimizer)  # skips the step if fp16 gradients overflowed
+            optimizer.zero_grad(set_to_none=True)  # free gradient memory instead of writing zeros
         self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)  # free gradient memory instead of writing zeros
         return norm
 
     def _target_reached(self) -> bool:
@@ -433,10 +324,10 @@ class Trainer:
             if self.step % self.cfg.log_every == 0 or evaluate:
                 progress.clear()
                 last = self._log(window, t_start, evaluate) or last  # True: the target loss was reached
-            stop = self._save_and_vote(last)
+            stop = self.checkpointer.save_and_vote(last)
             if stop:
                 progress.clear()
-                self._stop_for(stop)
+                self.checkpointer.stop_for(stop)
                 return False
             if last:
                 break
@@ -461,12 +352,12 @@ class Trainer:
                f"steps {self.step}->{cfg.max_steps} (~{epochs:.2f} epochs)")
 
     def _report_optimizer_memory(self) -> None:
-        """One line: the optimizer state (AdamW's two moments) each rank holds, as a mean over the ranks.
-        Under DDP every rank holds all of it; ZeRO (any stage) and FSDP split it, 1/N per rank."""
-        optimizer = self.zero.engine.optimizer.optimizer if self.zero else self.optimizer  # ZeRO's wraps torch's
-        moments = [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t) and t.dim()]
-        mean = all_reduce_mean(torch.tensor(float(local_bytes(moments)), device=self.device)).item()
-        print0(f"memory | optimizer state {mean / 1e6:.3f} MB per rank (AdamW's 2 moments, mean over ranks)")
+        """One line: the optimizer state each rank holds, as a mean over the ranks. Under DDP every
+        rank holds all of it; ZeRO (any stage) and FSDP split it, 1/N per rank."""
+        optimizers = [self.zero.engine.optimizer.optimizer] if self.zero else self.optimizers  # ZeRO's wraps torch's
+        mean = all_reduce_mean(torch.tensor(float(local_bytes(state_tensors(optimizers))), device=self.device)).item()
+        what = "AdamW's 2 moments" + (" + Muon's momentum" if len(optimizers) > 1 else "")
+        print0(f"memory | optimizer state {mean / 1e6:.3f} MB per rank ({what}, mean over ranks)")
 
     def _peak_memory(self) -> str:
         """The most memory any rank has held: its process's peak resident size (and on GPUs, the peak
@@ -499,7 +390,7 @@ class Trainer:
         dt_step = (now - window.time) / (step - window.step)
         eta = (now - t_start) / (step - window.start_step) * (cfg.max_steps - step)
         record = {"step": step, "epoch": self.data_cursor.epoch, "train_loss": round(train_loss, 6),
-                  "lr": self.optimizer.param_groups[0]["lr"], "tokens_per_sec": round(tokens_per_step / dt_step, 1),
+                  "lr": self.optimizers[0].param_groups[0]["lr"], "tokens_per_sec": round(tokens_per_step / dt_step, 1),
                   "ms_per_step": round(1e3 * dt_step, 2), "grad_norm": round(self._grad_norm_value(), 4),
                   "data_ms": round(1e3 * self.data_seconds / (step - window.step), 3)}
         print0(f"step {step:>6}/{cfg.max_steps} | epoch {self.data_cursor.epoch} | loss {train_loss:.4f} | "
@@ -523,72 +414,6 @@ class Trainer:
         self.data_seconds = 0.0
         return reached
 
-    def _save_and_vote(self, last: bool) -> int:
-        """Snapshot if it is time, then one all-reduce through which every rank learns whether rank 0 lost
-        the snapshot path to another job (all stop), whether a save failed (all go on, or all raise when
-        rank 0 has counted too many in a row) or whether a rank received SIGTERM/SIGINT (all stop after a
-        snapshot). Returns 0 to go on, or the signal to stop for."""
-        if self.store.last_committed is not self._counted_since:  # a snapshot landed: the count starts over
-            self._counted_since, self.failed_saves = self.store.last_committed, 0
-        failure, code = None, 0
-        try:
-            if self.ctx.is_main:
-                self.store.check_owner()  # a paused job woken after losing its lease writes nothing more
-            if self.step % self.cfg.save_every == 0 or last:
-                self.save_snapshot(block=last)
-            if self.ctx.is_main:
-                self.store.raise_if_failed()  # a background save that failed counts as a failed save point
-        except LeaseError as e:
-            failure, code = e, LEASE_LOST
-        except SnapshotError as e:
-            failure, code = e, self._count_failed_save(last)
-        verdict = max_over_ranks(code or (0 if last else (self.stop_signal or 0)))
-        if verdict == LEASE_LOST:
-            raise failure if code == LEASE_LOST else LeaseError("rank 0 lost the snapshot path to another job")
-        if verdict == SAVES_FAILING:
-            raise SnapshotError(self._failed_save_message(failure, last, fatal=True))
-        if verdict == SAVE_FAILED:
-            warn0(self._failed_save_message(failure, last, fatal=False))
-            return 0
-        return verdict
-
-    def _count_failed_save(self, last: bool) -> int:
-        """A save point whose snapshot was not written. The work since the last good snapshot is still in
-        memory, so training goes on and the next save point tries again (a passing fault: a full disk
-        being cleaned, S3 throttling), unless this was the last save or rank 0 has counted
-        trainer_config.max_failed_saves in a row. Rank 0's count decides, for every rank."""
-        self.failed_saves += 1
-        return SAVES_FAILING if last or self.failed_saves >= self.cfg.max_failed_saves else SAVE_FAILED
-
-    def _failed_save_message(self, error: SnapshotError | None, last: bool, fatal: bool) -> str:
-        committed = self.store.last_committed
-        resume = f"step {committed['step']} ({self.store.url}/{committed['file']})" if committed else \
-            "step 0 (no snapshot yet)"
-        error = error or "a snapshot save failed on another rank"
-        if fatal:
-            why = "the last save of this run failed" if last else f"{self.failed_saves} saves in a row failed"
-            return f"{why} ({error}); a rerun resumes from {resume}"
-        return (f"{error}; training goes on and tries again at the next save point ({self.failed_saves} of "
-                f"trainer_config.max_failed_saves={self.cfg.max_failed_saves} in a row); a rerun now would "
-                f"resume from {resume}")
-
-    def _stop_for(self, signum: int) -> None:
-        """Stopped by a signal on some rank: every rank saves the current step (if not just saved)."""
-        self.stop_signal = signum
-        print0(f"preempted | {signal.Signals(signum).name} received | "
-               f"saving step {self.step}; rerun the same command to continue")
-        if self.step % self.cfg.save_every:
-            try:
-                self.save_snapshot(block=True)
-            except SnapshotError as e:  # nothing to go on with: say where a rerun starts
-                raise SnapshotError(self._failed_save_message(e, last=True, fatal=True)) from None
-
-
-# The stop vote's values for a failed save, for saves that keep failing, and for a lost lease;
-# signal numbers (SIGTERM 15, SIGINT 2) are below them.
-SAVE_FAILED = 1000  # and go on
-SAVES_FAILING = 1001  # too many in a row, or the last save: stop
-LEASE_LOST = 1002
 
 # A repeat of a stop signal within this many seconds is the same request delivered twice (by SLURM
 # and torchrun, or to the whole process group); a later one, like a second Ctrl-C, stops at once.

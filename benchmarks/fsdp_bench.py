@@ -41,7 +41,8 @@ def worker(args) -> None:
     from model import GPT, GPTConfig
     from parallel import local_bytes
     from snapshot import SnapshotStore
-    from train_config import OptimizerConfig, TrainerConfig
+    from optim import OptimizerConfig
+    from train_config import TrainerConfig
     from trainer import Trainer
 
     ctx = setup_distributed()
@@ -70,7 +71,7 @@ def worker(args) -> None:
     loss.item()
     dt = (time.perf_counter() - t0) / args.steps
     t0 = time.perf_counter()
-    trainer.save_snapshot(block=True)
+    trainer.checkpointer.save(block=True)
     save_s = time.perf_counter() - t0
     per_rank = all_gather_objects(sum(mem.values()))
     if ctx.is_main:

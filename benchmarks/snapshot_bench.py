@@ -34,7 +34,8 @@ from char_dataset import CharDataset, DataConfig  # noqa: E402
 from distributed import DistContext  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from snapshot import SnapshotStore  # noqa: E402
-from train_config import OptimizerConfig, TrainerConfig  # noqa: E402
+from optim import OptimizerConfig  # noqa: E402
+from train_config import TrainerConfig  # noqa: E402
 from trainer import Trainer  # noqa: E402
 
 MODELS = {  # name: (n_layer, n_head, n_embd)
@@ -76,7 +77,7 @@ def timed_run(trainer: Trainer, steps: int, save_every: int) -> tuple[float, flo
     for step in range(1, steps + 1):
         trainer.train_step()
         if save_every and step % save_every == 0:
-            blocked += trainer.save_snapshot()
+            blocked += trainer.checkpointer.save()
     elapsed = time.perf_counter() - t0
     trainer.store.wait()
     return elapsed, blocked

@@ -13,7 +13,7 @@ from conftest import REPO, run_main, tiny_overrides
 from main import compose, to_job
 from metrics import MetricsLog
 from model import MODEL_SIZES
-from train_config import OptimizerConfig
+from optim import OptimizerConfig
 
 
 def key_error_lines(stderr: str) -> list[str]:

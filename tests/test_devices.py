@@ -10,12 +10,14 @@ import pytest
 import torch
 
 from char_dataset import CharDataset, DataConfig
+from conftest import run_main, tiny_overrides
 from config import ConfigError
 from distributed import DistContext, backend_for, choose_device
 from model import GPT, GPTConfig
-from parallel import Plan, autocast_attention_fp32, bf16_native, check_supported, set_tf32
+from optim import OptimizerConfig
+from parallel import Plan, autocast_attention_fp32, bf16_native, check_supported, choose_precision, set_tf32
 from snapshot import SnapshotStore
-from train_config import OptimizerConfig, TrainerConfig
+from train_config import TrainerConfig
 from trainer import Trainer
 from versions import MIN_TORCH, torch_version_problem
 
@@ -82,7 +84,7 @@ def tiny_trainer(tmp_path, shakespeare, **trainer) -> Trainer:
                           log=lambda _: None)
     gcfg = GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=dataset.vocab_size, block_size=16)
     torch.manual_seed(0)
-    tcfg = TrainerConfig(batch_size=4, metrics_path="none", **trainer)
+    tcfg = TrainerConfig(batch_size=4, metrics_path="none", **{"use_amp": False, **trainer})  # fp32 unless asked
     ctx = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     store = SnapshotStore(str(tmp_path / "snapshots"))
     return Trainer(GPT(gcfg), dataset, tcfg, OptimizerConfig(grad_clip=1.0), ctx, {"gpt_config": vars(gcfg)}, store)
@@ -122,6 +124,37 @@ def test_bf16_counts_as_native_on_a_cpu_only_with_avx512_bf16_or_amx(flags, nati
     assert ("CPU has" if native else "CPU lacks AVX-512 BF16 and AMX") in evidence
 
 
+CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("flags, expected", [({"avx512f", "avx2"}, (False, "bf16")), (set(), (False, "bf16")),
+                                             ({"avx512_bf16"}, (True, "bf16")), ({"amx_bf16"}, (True, "bf16"))])
+def test_auto_precision_is_bf16_only_where_the_cpu_computes_it_natively(flags, expected):
+    use_amp, dtype, why = choose_precision("auto", "auto", CPU, flags)
+    assert (use_amp, dtype) == expected
+    assert why.startswith("auto: CPU " + ("has" if use_amp else "lacks AVX-512 BF16 and AMX, so bf16 would be emulated"))
+
+
+def test_an_explicit_precision_is_kept_whatever_the_cpu():
+    assert choose_precision(True, "bf16", CPU, set())[:2] == (True, "bf16")  # asked for: bf16 even if emulated
+    assert choose_precision(False, "auto", CPU, {"amx_bf16"})[:2] == (False, "bf16")
+    assert choose_precision("auto", "fp16", CPU, {"amx_bf16"})[0] is False  # fp16 is not native on these CPUs
+
+
+def test_auto_precision_on_a_gpu_uses_bf16_units_or_else_fp16_tensor_cores(monkeypatch):
+    for native, dtype in ((True, "bf16"), (False, "fp16")):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, n=native: n)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
+        assert choose_precision("auto", "auto", GPU)[:2] == (True, dtype)
+
+
+def test_trainer_config_refuses_a_precision_word_it_does_not_know():
+    with pytest.raises(ConfigError, match="use_amp must be true, false or auto"):
+        TrainerConfig(use_amp="sometimes")
+    with pytest.raises(ConfigError, match="amp_dtype must be auto, bf16 or fp16"):
+        TrainerConfig(amp_dtype="fp8")
+
+
 def test_attention_precision_under_bf16_autocast_is_decided_by_timing_both():
     shape = (2, 2, 16, 8)  # (B, nh, T, hs)
     fp32, words = autocast_attention_fp32(Plan(use_amp=True, amp_dtype="bf16"), torch.device("cpu"), shape)
@@ -131,3 +164,11 @@ def test_attention_precision_under_bf16_autocast_is_decided_by_timing_both():
     for plan in (Plan(use_amp=False), Plan(use_amp=True, amp_dtype="fp16"), Plan(parallel="fsdp", use_amp=True),
                  Plan(parallel="deepspeed", use_amp=True)):
         assert autocast_attention_fp32(plan, torch.device("cpu"), shape) == (False, "")
+
+
+def test_the_job_line_says_which_precision_auto_picked_and_why(shakespeare, tmp_path):
+    result = run_main(tiny_overrides(shakespeare, tmp_path, max_steps=2, parallel="none", use_amp="auto"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    use_amp, dtype, why = choose_precision("auto", "auto", CPU)  # what this machine's CPU flags say
+    assert f"| precision {dtype + ' mixed' if use_amp else 'fp32'} ({why})" in result.stdout
+    assert ("autocast" in result.stdout) == use_amp  # and the train line agrees

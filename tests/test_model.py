@@ -8,6 +8,7 @@ from torch.nn import functional as F
 
 from config import ConfigError
 from model import GPT, MODEL_SIZES, GPTConfig
+from optim import OptimizerConfig, build_optimizers
 
 
 def tiny(**kw) -> GPT:
@@ -91,7 +92,7 @@ def test_generate_longer_than_block_size_crops_the_context():
 
 def test_optimizer_decays_matrices_but_not_biases_or_layernorm():
     model = tiny()
-    opt = model.configure_optimizer(1e-3, 0.1, (0.9, 0.95), "cpu")
+    [opt] = build_optimizers(model, OptimizerConfig(weight_decay=0.1), "cpu")
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and all(p.dim() >= 2 for p in decay["params"])
     assert no_decay["weight_decay"] == 0.0 and all(p.dim() == 1 for p in no_decay["params"])
