@@ -41,7 +41,7 @@ def worker(args) -> None:
     from model import GPT, GPTConfig
     from parallel import local_bytes
     from snapshot import SnapshotStore
-    from optim import OptimizerConfig
+    from optim import OptimizerConfig, state_tensors
     from train_config import TrainerConfig
     from trainer import Trainer
 
@@ -62,9 +62,9 @@ def worker(args) -> None:
     loss.backward()  # gradients exist now: measure what this rank holds
     params = list(trainer.raw_model.parameters())
     mem = {"params": local_bytes(params), "grads": local_bytes(p.grad for p in params),
-           "optimizer": local_bytes(t for s in trainer.optimizer.state.values() for t in s.values()
-                                    if isinstance(t, torch.Tensor))}
-    trainer.optimizer.zero_grad(set_to_none=True)
+           "optimizer": local_bytes(state_tensors(trainer.optimizers))}
+    for optimizer in trainer.optimizers:
+        optimizer.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
     for _ in range(args.steps):
         loss = trainer.train_step()
