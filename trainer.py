@@ -37,8 +37,8 @@ from distributed import DistContext, all_gather_objects, all_reduce_mean, print0
 from metrics import MetricsLog, ProgressLine, format_duration
 from model import GPT
 from optim import OptimizerConfig, build_optimizers, check_muon_supported, set_learning_rates, state_tensors
-from parallel import (Plan, autocast, autocast_attention_fp32, check_supported, choose_precision, grad_scaler,
-                      local_bytes, set_tf32, wrap_model)
+from parallel import (Plan, autocast, autocast_attention_fp32, bf16_native, check_supported, grad_scaler, local_bytes,
+                      set_tf32, wrap_model)
 from sampler import DataCursor
 from snapshot import SnapshotStore
 from train_config import TrainerConfig
@@ -209,13 +209,14 @@ class Trainer:
         return tok.decode(out[0, 1:])
 
     def _precision(self) -> str:
-        """How the model computes and why, in words, for the start-up line."""
-        plan, why = self.plan, choose_precision(self.cfg.use_amp, self.cfg.amp_dtype, self.device)[2]
+        """How the model computes, in words, for the start-up line (the job line says why)."""
+        plan = self.plan
         if not plan.use_amp:
-            return ("fp32 (TF32 matmuls)" if self.device.type == "cuda" and plan.tf32 else "fp32") + f" ({why})"
+            return "fp32 (TF32 matmuls)" if self.device.type == "cuda" and plan.tf32 else "fp32"
         words = f"{plan.amp_dtype} parameters (FSDP mixed precision)" if self.sharded else \
             f"{plan.amp_dtype} parameters, fp32 master weights (DeepSpeed)" if self.zero else f"{plan.amp_dtype} autocast"
-        words += f" ({why})" + (f", {self.attention_choice}" if self.attention_choice else "")
+        if plan.amp_dtype == "bf16":  # whether the hardware has bf16 units decides if bf16 pays off
+            words += f" ({bf16_native(self.device)[1]})" + (f", {self.attention_choice}" if self.attention_choice else "")
         return words + (" + GradScaler" if self.scaler.is_enabled() else "")
 
     def _autocast(self):
