@@ -221,13 +221,13 @@ class GPT(nn.Module):
         # write into the residual stream scaled by 1/sqrt(2 * n_layer), so the
         # stream's variance does not grow with depth (two residual adds per block).
         self.apply(self._init_weights)
+        # zero_init_proj (modded-nanogpt): those projections, and an untied head, start at zero instead:
+        # every block starts as the identity and the first prediction is uniform.
         for name, p in self.named_parameters():
-            if name.endswith("proj.weight"):
+            if cfg.zero_init_proj and (name.endswith("proj.weight") or name == "lm_head.weight"):
+                nn.init.zeros_(p)  # a tied head is wte, which named_parameters() lists only under that name
+            elif name.endswith("proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
-        if cfg.zero_init_proj:  # modded-nanogpt: every block starts as the identity, the head predicts uniform
-            for name, p in self.named_parameters():
-                if name.endswith("proj.weight") or (name == "lm_head.weight" and not cfg.tie_embeddings):
-                    nn.init.zeros_(p)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

@@ -161,8 +161,8 @@ def build_optimizers(model: nn.Module, cfg: OptimizerConfig, device_type: str) -
     optimizers: list[torch.optim.Optimizer] = [torch.optim.AdamW(
         groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=device_type in ("cuda", "cpu"))]
     if hidden:
-        optimizers.append(Muon(hidden, lr=cfg.muon_lr, weight_decay=cfg.weight_decay,
-                                           momentum=cfg.muon_momentum, nesterov=True))
+        optimizers.append(Muon(hidden, lr=cfg.muon_lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum,
+                               nesterov=True))
     return optimizers
 
 
