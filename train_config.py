@@ -83,8 +83,10 @@ class TrainerConfig:
     trace_samples_path: str = ""
     """Directory for per-rank JSON lines of the window starts each rank trains on (to audit data order)."""
     compile: bool = False
-    """torch.compile each transformer block (inductor kernels). Pays on GPUs; on the 2-core CPU measured
-    here it made steps slower and cost ~30 s of compiling (benchmarks/bench.py), hence off by default."""
+    """torch.compile the model (inductor kernels; under FSDP block by block). Costs seconds to compile at
+    start (cached on disk for later runs), then fuses the small ops between the matmuls: on 2 CPU cores
+    with native bf16, gpt-micro's step went from ~21 to ~19 ms (README §7); off by default, since a short
+    run does not earn its compile time back."""
     cpu_threads: int = 0
     """Threads for each rank's CPU math; 0: the cores this process may use divided by the ranks on its
     node (torchrun alone gives every rank 1 thread, leaving cores idle when there are more cores than ranks)."""

@@ -18,7 +18,7 @@ split where nanoGPT draws new random ones each time; the recipes here evaluate e
 nanoGPT's own train.py (a checkout given by --nanogpt) in the same run for the ratio: its CPU recipe
 from its README, 2000 steps, fp32. ms/step is a median over 10-step windows (ours) or iterations
 (nanoGPT's), so evaluations do not count in it. --step-time compares ms/step alone: nanoGPT's train.py
-and this trainer at nanoGPT's model and batch, 300 steps each, taking turns three times.
+and this trainer at nanoGPT's model and batch, 300 steps each (eager, then compiled), taking turns five times.
 """
 
 from __future__ import annotations
@@ -73,6 +73,8 @@ ABLATION = [
     ("+ logit soft-cap 30 (dropped)", "logits squashed into (-30, 30)", ["gpt_config.logit_softcap=30"], False),
     ("+ warmup-stable-decay (dropped)", "hold the peak, decay over the last 40%",
      ["optimizer_config.schedule=wsd", "optimizer_config.decay_frac=0.4"], False),
+    ("+ torch.compile (dropped)", "the whole model compiled (cold cache: compiling counts)",
+     ["trainer_config.compile=true"], False),
     ("= recipe=speedrun-cpu", "the kept rows, as one config group", ["recipe=speedrun-cpu"], None),
 ]
 
@@ -91,8 +93,10 @@ def run_ours(overrides: list[str], data: str, target: float, nproc: int = 1) -> 
             f"trainer_config.target_val_loss={target}", "trainer_config.sample_chars=0", "trainer_config.log_every=10",
             "trainer_config.save_every=100000", f"parallel={'none' if nproc == 1 else 'ddp'}",
             f"trainer_config.run_dir={run_dir}"])
+        # torch.compile's kernels are cached on disk; an empty cache per run times it cold, as a first run is.
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(run_dir, "inductor-cache")}
         t0 = time.perf_counter()
-        result = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+        result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env)
         wall = time.perf_counter() - t0
         if result.returncode != 0:
             sys.exit(f"error: training failed (exit {result.returncode}):\n{result.stderr[-2000:]}")
@@ -140,18 +144,27 @@ def run_nanogpt(checkout: str, data: str, target: float, max_iters: int = 2000) 
             "wall_s": round(wall, 1), "ms_per_step": round(statistics.median(iter_ms), 1), "precision": "fp32"}
 
 
-def step_times(args, rounds: int = 3, steps: int = 300) -> dict:
-    """ms/step on nanoGPT's model and batch, nanoGPT's train.py and this trainer (precision auto) taking
-    turns, `rounds` times: on a shared machine whose speed drifts, alternating keeps the comparison fair."""
-    nano, ours = [], []
+# --step-time's rows: this trainer at nanoGPT's model and batch as nanoGPT runs it (eager), and compiled.
+STEP_TIME_ROWS = {"eager": [], "compiled": ["trainer_config.compile=true"]}
+
+
+def step_times(args, rounds: int = 5, steps: int = 300) -> dict:
+    """ms/step on nanoGPT's model and batch: nanoGPT's train.py and this trainer (precision auto; eager,
+    then compiled) taking turns, `rounds` times: on a shared machine whose speed drifts, alternating
+    keeps the comparison fair."""
+    nano, ours = [], {row: [] for row in STEP_TIME_ROWS}
     for _ in range(rounds):
         nano.append(run_nanogpt(args.nanogpt, args.data, 0.0, max_iters=steps)["ms_per_step"])
-        ours.append(run_ours(["recipe=nanogpt-cpu", f"trainer_config.max_steps={steps}"], args.data, 0.0)["ms_per_step"])
-        print(f"step-time | nanoGPT {nano[-1]} ms | this trainer {ours[-1]} ms", flush=True)
-    ratio = statistics.median(ours) / statistics.median(nano)
-    print(f"step-time | nanoGPT's model and batch, {rounds} rounds of {steps} steps | nanoGPT {nano} ms | "
-          f"this trainer {ours} ms | ratio of medians {ratio:.2f}")
-    return {"nanogpt_ms": nano, "ours_ms": ours, "ratio": round(ratio, 2)}
+        for row, extra in STEP_TIME_ROWS.items():
+            ours[row].append(run_ours(["recipe=nanogpt-cpu", f"trainer_config.max_steps={steps}", *extra],
+                                      args.data, 0.0)["ms_per_step"])
+        print(f"step-time | nanoGPT {nano[-1]} ms | " + " | ".join(f"this trainer, {row} {ms[-1]} ms"
+                                                                  for row, ms in ours.items()), flush=True)
+    ratios = {row: round(statistics.median(ms) / statistics.median(nano), 2) for row, ms in ours.items()}
+    print(f"step-time | nanoGPT's model and batch, {rounds} rounds of {steps} steps | nanoGPT {nano} ms | " +
+          " | ".join(f"{row} {ours[row]} ms, ratio of medians {ratios[row]:.2f}" for row in ours))
+    return {"nanogpt_ms": nano, **{f"ours_{row}_ms": ms for row, ms in ours.items()},
+            **{f"ratio_{row}": r for row, r in ratios.items()}}
 
 
 def ablation(args) -> list[dict]:
@@ -193,6 +206,7 @@ def main() -> int:
     parser.add_argument("--nanogpt", default="", help="a nanoGPT checkout, timed in the same run (--ablation, --step-time)")
     parser.add_argument("--step-time", action="store_true", help="ms/step against nanoGPT's train.py, taking turns")
     parser.add_argument("--out", default="", help="also write the result as JSON here")
+    parser.add_argument("overrides", nargs="*", help="more main.py overrides for the recipe, e.g. gpt_config.bias=false")
     args = parser.parse_args()
     if not os.path.exists(args.data):
         sys.exit(f"error: no corpus at {args.data}; run python data/fetch_shakespeare.py or pass --data")
@@ -213,8 +227,8 @@ def main() -> int:
         report: dict | list = rows
         ok = rows[-1]["reached"]
     else:
-        report = {"recipe": args.recipe, "processes": args.nproc, "target": args.target,
-                  **run_ours(RECIPES[args.recipe], args.data, args.target, args.nproc)}
+        report = {"recipe": args.recipe, "overrides": args.overrides, "processes": args.nproc, "target": args.target,
+                  **run_ours(RECIPES[args.recipe] + args.overrides, args.data, args.target, args.nproc)}
         verdict = "reached" if report["reached"] else "NOT reached"
         print(f"time-to-quality | {args.recipe} x{args.nproc} | val {report['val_loss']:.4f} ({verdict} {args.target}) "
               f"at step {report['step']} | {report['tokens'] / 1e6:.2f}M tokens | {report['ms_per_step']} ms/step | "

@@ -94,3 +94,39 @@ def test_compare_smoke_mode_times_rows_end_to_end_and_says_why_a_row_cannot_run(
     for timed in ("one process", "DDP, tutorials/spawn_launch.py"):
         assert rows[timed]["wall_s"] > 0 and rows[timed]["peak_host_mib"] > 0 and rows[timed]["tokens"] > 0
     assert "does not build" in rows["Horovod"]["skipped"]
+
+
+# A stand-in for a nanoGPT checkout (CI has no internet to clone one): its model.py offers what
+# step_time.py uses of nanoGPT's (GPT, GPTConfig, configure_optimizers), built on this project's GPT.
+STAND_IN_NANOGPT = '''
+import torch
+from dataclasses import dataclass
+from model import GPT as _GPT, GPTConfig as _Config
+
+@dataclass
+class GPTConfig:
+    block_size: int; vocab_size: int; n_layer: int; n_head: int; n_embd: int; dropout: float; bias: bool
+
+class GPT(_GPT):
+    def __init__(self, c):
+        super().__init__(_Config(n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, bias=c.bias,
+                                 vocab_size=c.vocab_size, block_size=c.block_size))
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        return torch.optim.AdamW(self.parameters(), lr=learning_rate, betas=betas, weight_decay=weight_decay)
+'''
+
+
+def test_step_time_times_both_models_in_turns_and_reports_ratios(tmp_path):
+    (tmp_path / "nanoGPT").mkdir()
+    (tmp_path / "nanoGPT" / "model.py").write_text(STAND_IN_NANOGPT)
+    out = tmp_path / "step.json"
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "step_time.py"), "--nanogpt",
+                             str(tmp_path / "nanoGPT"), "--eager-only", "--rounds", "2", "--steps", "3",
+                             "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["ms"]) == {"nanoGPT", "ours, eager"}
+    assert all(len(ms) == 2 and min(ms) > 0 for ms in report["ms"].values())
+    assert report["ratio"]["nanoGPT"] == 1.0 and report["ratio"]["ours, eager"] > 0
+    assert "x nanoGPT" in result.stdout and "this project:" in result.stdout
