@@ -18,6 +18,7 @@ process group at all.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 from dataclasses import dataclass
@@ -146,6 +147,35 @@ def set_cpu_threads(ctx: DistContext, requested: int = 0) -> int:
     threads = requested or max(1, cores // ctx.local_world_size)
     torch.set_num_threads(threads)
     return threads
+
+
+# glibc's mallopt parameters (malloc.h).
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+KEEP_BELOW_BYTES = 32 * 1024 * 1024  # the largest mmap threshold glibc accepts on 64-bit machines
+
+
+def keep_freed_cpu_memory(device: torch.device, enabled: bool = True) -> str:
+    """Let the C allocator keep the memory a step frees, so the next step reuses it; returns what was done.
+
+    Every training step allocates and frees the same tensors (activations, gradients, optimizer
+    temporaries). glibc's malloc serves large blocks with mmap and gives them back to the OS when
+    they are freed, and trims the free tops of its heaps, so the next step's tensors land on fresh
+    pages that the kernel must map and zero, one page fault per 4 KiB: about 2,500 faults a step at
+    nanoGPT's CPU recipe, compiled: 20.7 -> 17.3 ms a step with this setting (README §7). With blocks
+    up to 32 MiB served from the heap and no trimming, the process keeps what it once used and
+    reuses it (its peak memory moved by under 3% here). A MALLOC_* variable or another allocator (LD_PRELOAD
+    jemalloc/tcmalloc) is the user's choice and is left alone; without glibc nothing changes.
+    """
+    if not enabled or device.type != "cpu":
+        return ""  # on a GPU the tensors live in PyTorch's caching allocator, which already reuses blocks
+    if any(k.startswith("MALLOC_") for k in os.environ) or "malloc" in os.environ.get("LD_PRELOAD", ""):
+        return "allocator as set in the environment"
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        ok = libc.mallopt(M_MMAP_THRESHOLD, KEEP_BELOW_BYTES) and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
+    except (OSError, AttributeError):  # not glibc: macOS, musl, Windows
+        return ""
+    return "glibc malloc keeps freed memory" if ok else ""
 
 
 # The launcher's key-value store. Under torchrun it outlives the workers, so one

@@ -36,8 +36,8 @@ from char_dataset import CharDataset, DataConfig, DatasetError
 from config import ConfigError, to_dict
 from data.fetch_shakespeare import FetchError, ensure_tinyshakespeare
 from distributed import (DistContext, all_gather_objects, barrier, exit_process, is_main_process,
-                         launched_with_ranks, previous_attempt_report, print0, record_exit, set_cpu_threads, setup_distributed,
-                         teardown_distributed)
+                         keep_freed_cpu_memory, launched_with_ranks, previous_attempt_report, print0, record_exit,
+                         set_cpu_threads, setup_distributed, teardown_distributed)
 from lease import LeaseError
 from model import GPT
 from parallel import choose_precision
@@ -112,10 +112,11 @@ def run(job) -> int:
     try:
         ctx = setup_distributed(tcfg.collective_timeout_s, tcfg.device)
         threads = set_cpu_threads(ctx, tcfg.cpu_threads)
+        allocator = keep_freed_cpu_memory(ctx.device, tcfg.cpu_keep_freed_memory)
         use_amp, amp_dtype, why = choose_precision(tcfg.use_amp, tcfg.amp_dtype, ctx.device)
         print0(f"job | world size {ctx.world_size} | backend {torch.distributed.get_backend() if ctx.distributed else 'none'}"
                f" | device {ctx.device} | {threads} CPU threads per rank | restart {ctx.restart_count} | seed {tcfg.seed}"
-               f" | precision {amp_dtype + ' mixed' if use_amp else 'fp32'} ({why})")
+               f" | precision {amp_dtype + ' mixed' if use_amp else 'fp32'} ({why}){' | ' + allocator if allocator else ''}")
         if ctx.restart_count and ctx.is_main:
             print0(f"restart | torchrun restarted the workers (TORCHELASTIC_RESTART_COUNT={ctx.restart_count}) | "
                    f"{previous_attempt_report(ctx) or 'no report from the previous attempt'}")

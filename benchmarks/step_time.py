@@ -32,6 +32,7 @@ from common import REPO
 
 sys.path.insert(0, REPO)
 
+from distributed import keep_freed_cpu_memory  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from optim import OptimizerConfig, build_optimizers  # noqa: E402
 from parallel import AMP_DTYPES, Plan, autocast_attention_fp32, choose_precision  # noqa: E402
@@ -100,10 +101,14 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=40, help="steps per candidate per round")
     parser.add_argument("--eager-only", action="store_true", help="skip the compiled candidate (seconds of compiling)")
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="leave glibc's allocator at its defaults (main.py keeps freed memory: trainer_config.cpu_keep_freed_memory)")
     parser.add_argument("--out", default="", help="also write the result as JSON here")
     args = parser.parse_args()
     if not os.path.exists(os.path.join(args.nanogpt, "model.py")):
         sys.exit(f"error: no nanoGPT model.py under {args.nanogpt}; git clone https://github.com/karpathy/nanoGPT")
+    # As main.py sets it up; the setting is the process's, so both models run under it.
+    allocator = keep_freed_cpu_memory(torch.device("cpu"), not args.default_malloc) or "default"
     torch.manual_seed(0)
     batches = torch.randint(0, VOCAB, (64, BATCH, BLOCK + 1))  # the same batches for every candidate
     ours_eager, precision = our_step(batches, compile=False)
@@ -119,13 +124,13 @@ def main() -> int:
         for name, step in candidates.items():
             times[name].append(round(time_round(step, len(batches), args.steps), 2))
     medians = {name: statistics.median(ms) for name, ms in times.items()}
-    print(f"step-time | one process, {torch.get_num_threads()} threads | this project: {precision}")
+    print(f"step-time | one process, {torch.get_num_threads()} threads, malloc: {allocator} | this project: {precision}")
     for name, ms in times.items():
         print(f"step-time | {name:<14} | median {medians[name]:.1f} ms | x nanoGPT {medians[name] / medians['nanoGPT']:.2f} | "
               f"rounds {ms}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"precision": precision, "threads": torch.get_num_threads(), "ms": times,
+            json.dump({"precision": precision, "threads": torch.get_num_threads(), "malloc": allocator, "ms": times,
                        "ratio": {n: round(m / medians["nanoGPT"], 2) for n, m in medians.items()}}, f, indent=1)
     return 0
 

@@ -18,7 +18,8 @@ split where nanoGPT draws new random ones each time; the recipes here evaluate e
 nanoGPT's own train.py (a checkout given by --nanogpt) in the same run for the ratio: its CPU recipe
 from its README, 2000 steps, fp32. ms/step is a median over 10-step windows (ours) or iterations
 (nanoGPT's), so evaluations do not count in it. --step-time compares ms/step alone: nanoGPT's train.py
-and this trainer at nanoGPT's model and batch, 300 steps each (eager, then compiled), taking turns five times.
+(as it ships, and with main.py's allocator setting) and this trainer (eager, compiled, and compiled with
+glibc's default allocator) at nanoGPT's model and batch, 300 steps each, taking turns five times.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -79,8 +81,10 @@ ABLATION = [
 ]
 
 
-def run_ours(overrides: list[str], data: str, target: float, nproc: int = 1) -> dict:
-    """Train main.py to the target; launch-to-exit seconds, the step and val loss where it stopped, ms/step."""
+def run_ours(overrides: list[str], data: str, target: float, nproc: int = 1, inductor_cache: str = "") -> dict:
+    """Train main.py to the target; launch-to-exit seconds, the step and val loss where it stopped, ms/step.
+    torch.compile's kernels are cached on disk: by default each run gets an empty cache, and so times
+    compiling as a first run does; inductor_cache names a cache to share between runs instead."""
     from main import compose, to_job  # the recipe as main.py composes it: its batch and context
 
     job = to_job(compose(overrides))
@@ -93,11 +97,10 @@ def run_ours(overrides: list[str], data: str, target: float, nproc: int = 1) -> 
             f"trainer_config.target_val_loss={target}", "trainer_config.sample_chars=0", "trainer_config.log_every=10",
             "trainer_config.save_every=100000", f"parallel={'none' if nproc == 1 else 'ddp'}",
             f"trainer_config.run_dir={run_dir}"])
-        # torch.compile's kernels are cached on disk; an empty cache per run times it cold, as a first run is.
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(run_dir, "inductor-cache")}
-        t0 = time.perf_counter()
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": inductor_cache or os.path.join(run_dir, "inductor-cache")}
+        t0, faults = time.perf_counter(), child_page_faults()
         result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env)
-        wall = time.perf_counter() - t0
+        wall, faults = time.perf_counter() - t0, child_page_faults() - faults
         if result.returncode != 0:
             sys.exit(f"error: training failed (exit {result.returncode}):\n{result.stderr[-2000:]}")
         records = MetricsLog.read(f"{run_dir}/metrics.jsonl")
@@ -109,7 +112,14 @@ def run_ours(overrides: list[str], data: str, target: float, nproc: int = 1) -> 
               [r["ms_per_step"] for r in records if "ms_per_step" in r]
     return {"reached": reached is not None, "val_loss": final["val_loss"], "step": final["step"],
             "tokens": final["step"] * batch * block, "wall_s": round(wall, 1),
-            "ms_per_step": round(statistics.median(step_ms), 1), "precision": _precision_word(result.stdout)}
+            "ms_per_step": round(statistics.median(step_ms), 1), "precision": _precision_word(result.stdout),
+            "page_faults": faults}
+
+
+def child_page_faults() -> int:
+    """Minor page faults of this script's finished children so far: each is a fresh 4 KiB page the
+    kernel had to map (and zero) for a program, e.g. because its allocator gave memory back."""
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
 
 
 def _precision_word(log: str) -> str:
@@ -123,17 +133,19 @@ NANOGPT_ARGS = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=F
                 "--max_iters=2000", "--lr_decay_iters=2000", "--dropout=0.0"]
 
 
-def run_nanogpt(checkout: str, data: str, target: float, max_iters: int = 2000) -> dict:
-    """nanoGPT's own train.py on a copy of its checkout: prepare.py untimed, then train.py timed to exit."""
+def run_nanogpt(checkout: str, data: str, target: float, max_iters: int = 2000, env: dict | None = None) -> dict:
+    """nanoGPT's own train.py on a copy of its checkout: prepare.py untimed, then train.py timed to exit
+    (env: more environment variables for it)."""
     with tempfile.TemporaryDirectory(prefix="nanogpt-") as tmp:
         work = shutil.copytree(checkout, os.path.join(tmp, "nanoGPT"), ignore=shutil.ignore_patterns(".git", "out*"))
         corpus_dir = os.path.join(work, "data", "shakespeare_char")
         shutil.copy(data, os.path.join(corpus_dir, "input.txt"))  # prepare.py downloads only if it is missing
         subprocess.run([sys.executable, "prepare.py"], cwd=corpus_dir, check=True, capture_output=True)
-        t0 = time.perf_counter()
+        t0, faults = time.perf_counter(), child_page_faults()
         result = subprocess.run([sys.executable, "train.py", *NANOGPT_ARGS, f"--max_iters={max_iters}",
-                                 f"--out_dir={tmp}/out"], cwd=work, capture_output=True, text=True)
-        wall = time.perf_counter() - t0
+                                 f"--out_dir={tmp}/out"], cwd=work, capture_output=True, text=True,
+                                env={**os.environ, **(env or {})})
+        wall, faults = time.perf_counter() - t0, child_page_faults() - faults
     if result.returncode != 0:
         sys.exit(f"error: nanoGPT's train.py failed (exit {result.returncode}):\n{result.stderr[-2000:]}")
     evals = [(int(s), float(v)) for s, v in re.findall(r"step (\d+): train loss [\d.]+, val loss ([\d.]+)", result.stdout)]
@@ -141,30 +153,43 @@ def run_nanogpt(checkout: str, data: str, target: float, max_iters: int = 2000) 
     reached = next(((s, v) for s, v in evals if v <= target), None)
     step, val = reached or evals[-1]
     return {"reached": reached is not None, "val_loss": val, "step": step, "tokens": step * 12 * 64,
-            "wall_s": round(wall, 1), "ms_per_step": round(statistics.median(iter_ms), 1), "precision": "fp32"}
+            "wall_s": round(wall, 1), "ms_per_step": round(statistics.median(iter_ms), 1), "precision": "fp32",
+            "page_faults": faults}
 
 
-# --step-time's rows: this trainer at nanoGPT's model and batch as nanoGPT runs it (eager), and compiled.
-STEP_TIME_ROWS = {"eager": [], "compiled": ["trainer_config.compile=true"]}
+# --step-time's rows. nanoGPT's train.py as it ships, and with the allocator setting main.py makes
+# (distributed.keep_freed_cpu_memory), given as glibc's environment variables: the difference that
+# setting makes is then seen on both programs. This trainer at nanoGPT's model and batch as nanoGPT
+# runs it (eager), compiled, and compiled with glibc's default allocator.
+KEEP_FREED_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 1024 * 1024), "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
+NANOGPT_ROWS = {"nanoGPT": {}, "nanoGPT, keep-freed malloc": KEEP_FREED_ENV}
+STEP_TIME_ROWS = {"eager": [], "compiled": ["trainer_config.compile=true"],
+                  "compiled, default malloc": ["trainer_config.compile=true", "trainer_config.cpu_keep_freed_memory=false"]}
 
 
 def step_times(args, rounds: int = 5, steps: int = 300) -> dict:
-    """ms/step on nanoGPT's model and batch: nanoGPT's train.py and this trainer (precision auto; eager,
-    then compiled) taking turns, `rounds` times: on a shared machine whose speed drifts, alternating
-    keeps the comparison fair."""
-    nano, ours = [], {row: [] for row in STEP_TIME_ROWS}
-    for _ in range(rounds):
-        nano.append(run_nanogpt(args.nanogpt, args.data, 0.0, max_iters=steps)["ms_per_step"])
-        for row, extra in STEP_TIME_ROWS.items():
-            ours[row].append(run_ours(["recipe=nanogpt-cpu", f"trainer_config.max_steps={steps}", *extra],
-                                      args.data, 0.0)["ms_per_step"])
-        print(f"step-time | nanoGPT {nano[-1]} ms | " + " | ".join(f"this trainer, {row} {ms[-1]} ms"
-                                                                  for row, ms in ours.items()), flush=True)
-    ratios = {row: round(statistics.median(ms) / statistics.median(nano), 2) for row, ms in ours.items()}
-    print(f"step-time | nanoGPT's model and batch, {rounds} rounds of {steps} steps | nanoGPT {nano} ms | " +
-          " | ".join(f"{row} {ours[row]} ms, ratio of medians {ratios[row]:.2f}" for row in ours))
-    return {"nanogpt_ms": nano, **{f"ours_{row}_ms": ms for row, ms in ours.items()},
-            **{f"ratio_{row}": r for row, r in ratios.items()}}
+    """ms/step on nanoGPT's model and batch: nanoGPT's train.py and this trainer (precision auto) taking
+    turns, `rounds` times: on a shared machine whose speed drifts, alternating keeps the comparison fair.
+    Compiling is not in ms/step, so the compiled rows share one kernel cache."""
+    ms: dict[str, list[float]] = {row: [] for row in [*NANOGPT_ROWS, *STEP_TIME_ROWS]}
+    faults: dict[str, list[int]] = {row: [] for row in ms}  # minor page faults per run, start-up included
+    with tempfile.TemporaryDirectory(prefix="ttq-inductor-") as cache:
+        for _ in range(rounds):
+            runs = {row: run_nanogpt(args.nanogpt, args.data, 0.0, max_iters=steps, env=env)
+                    for row, env in NANOGPT_ROWS.items()}
+            runs.update({row: run_ours(["recipe=nanogpt-cpu", f"trainer_config.max_steps={steps}", *extra],
+                                       args.data, 0.0, inductor_cache=cache) for row, extra in STEP_TIME_ROWS.items()})
+            for row, run in runs.items():
+                ms[row].append(run["ms_per_step"])
+                faults[row].append(run["page_faults"])
+            print("step-time | " + " | ".join(f"{row} {times[-1]} ms" for row, times in ms.items()), flush=True)
+    base = statistics.median(ms["nanoGPT"])
+    ratios = {row: round(statistics.median(times) / base, 2) for row, times in ms.items()}
+    print(f"step-time | nanoGPT's model and batch, {rounds} rounds of {steps} steps, ratio of medians to nanoGPT's | "
+          + " | ".join(f"{row} {ms[row]} ms: {ratios[row]:.2f}" for row in ms))
+    print("step-time | minor page faults per run (start-up included), median | "
+          + " | ".join(f"{row} {statistics.median(f):,.0f}" for row, f in faults.items()))
+    return {"ms": ms, "ratio": ratios, "page_faults": faults}
 
 
 def ablation(args) -> list[dict]:
