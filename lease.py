@@ -52,9 +52,12 @@ def _read_proc(path: str) -> str:
 
 def process_start(pid: int) -> str:
     """When process pid started (clock ticks since boot, /proc/<pid>/stat field 22), or "" if it is gone.
-    With the boot id it tells a live holder from a new process that reused its pid."""
+    With the boot id it tells a live holder from a new process that reused its pid. A zombie (state Z)
+    is gone too: it has exited, and only its parent has not yet collected its exit status, which for a
+    killed torchrun worker whose agent was killed too waits on whichever process adopts it."""
     stat = _read_proc(f"/proc/{pid}/stat")
-    return stat.rsplit(")", 1)[1].split()[19] if stat else ""
+    fields = stat.rsplit(")", 1)[1].split() if stat else []  # after the name: state, ppid, ...
+    return fields[19] if fields and fields[0] not in ("Z", "X") else ""
 
 
 def this_process() -> dict:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import REPO, kill_tree, run_main, tiny_overrides, wait_for_line
-from lease import LEASE, Lease, LeaseError
+from lease import LEASE, Lease, LeaseError, holder_is_gone, process_start, this_process
 from metrics import MetricsLog
 from s3_server import CREDENTIALS, FlakyS3Proxy
 from snapshot import MANIFEST, SnapshotStore
@@ -149,6 +149,20 @@ def test_two_identical_jobs_on_one_s3_path_only_one_trains(s3, bucket, shakespea
         assert "step " not in second.stdout
     finally:
         kill_tree(first)
+
+
+def test_a_holder_that_exited_but_was_not_yet_reaped_counts_as_gone():
+    # A SIGKILLed torchrun worker stays a zombie until whoever adopts it collects its exit status;
+    # a rerun must not wait for that.
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    record = {**this_process(), "pid": child.pid, "pid_start": process_start(child.pid)}
+    assert record["pid_start"] and not holder_is_gone(record)  # alive: it holds the lease
+    child.stdin.close()  # it exits; until child.wait() it is a zombie
+    while open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        os.sched_yield()
+    assert holder_is_gone(record)
+    child.wait()
+    assert holder_is_gone(record)
 
 
 def test_a_rerun_after_sigkill_on_the_same_host_takes_the_lease_at_once(shakespeare, tmp_path):
