@@ -30,14 +30,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-from common import REPO, main_command
+from common import REPO, hardware, main_command
 
 sys.path.insert(0, REPO)
 
@@ -45,7 +44,6 @@ import torch  # noqa: E402
 
 from metrics import MetricsLog  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from parallel import cpu_flags  # noqa: E402
 
 # Recipes are the `recipe` config group (config.py): the shape, context and batch each sets, composed
 # the way main.py composes them. Their batch is the global batch of every mode here.
@@ -78,18 +76,6 @@ GPU_MODES = [  # one GPU: the precision and compiler choices
     ("single GPU bf16 + compile", 1, {"parallel": "none", "use_amp": True, "compile": True}),
 ]
 SMOKE_MODES = [("single process", 1, {"parallel": "none"}), ("DDP x2", 2, {"parallel": "ddp"})]
-
-
-def hardware() -> dict:
-    if torch.cuda.is_available():
-        return {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "torch": torch.__version__}
-    model, flags = platform.processor(), cpu_flags()
-    if os.path.exists("/proc/cpuinfo"):
-        model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                     model)
-    extras = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return {"device": f"{model} ({', '.join(extras) or 'no AVX-512'})", "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-            "torch": torch.__version__}
 
 
 def peak_gflops(dtype: torch.dtype, n: int) -> float:

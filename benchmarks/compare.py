@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 
-from common import REPO, free_port
+from common import REPO, free_port, hardware
 
 # What `pip install horovod==0.28.1` (its newest release, 2023) did here, with HOROVOD_WITH_PYTORCH=1
 # HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 against torch 2.13: its common and gloo parts compiled, then
@@ -132,7 +132,6 @@ def main() -> int:
     if not os.path.exists(args.data):
         sys.exit(f"error: no corpus at {args.data}; run python data/fetch_shakespeare.py or pass --data")
     import torch
-    from bench import hardware
 
     if args.gpu:
         nproc, device, workload = torch.cuda.device_count(), "cuda", WORKLOADS["gpu"]

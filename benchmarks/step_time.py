@@ -28,7 +28,7 @@ from contextlib import nullcontext
 
 import torch
 
-from common import REPO
+from common import REPO, hardware
 
 sys.path.insert(0, REPO)
 
@@ -130,7 +130,7 @@ def main() -> int:
               f"rounds {ms}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"precision": precision, "threads": torch.get_num_threads(), "malloc": allocator, "ms": times,
+            json.dump({"hardware": hardware(), "precision": precision, "threads": torch.get_num_threads(), "malloc": allocator, "ms": times,
                        "ratio": {n: round(m / medians["nanoGPT"], 2) for n, m in medians.items()}}, f, indent=1)
     return 0
 

@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 
-from common import REPO, main_command
+from common import REPO, hardware, main_command
 
 sys.path.insert(0, REPO)
 
@@ -249,7 +249,7 @@ def main() -> int:
     elif args.ablation:
         rows = ablation(args)
         print(table(rows, args.target))
-        report: dict | list = rows
+        report = {"rows": rows}
         ok = rows[-1]["reached"]
     else:
         report = {"recipe": args.recipe, "overrides": args.overrides, "processes": args.nproc, "target": args.target,
@@ -259,9 +259,9 @@ def main() -> int:
               f"at step {report['step']} | {report['tokens'] / 1e6:.2f}M tokens | {report['ms_per_step']} ms/step | "
               f"{report['wall_s']:.1f} s end to end")
         ok = report["reached"]
-    if args.out:
+    if args.out:  # with the machine it was measured on: CPUs of one kind differ (native bf16 or not)
         with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+            json.dump({"hardware": hardware(), **report}, f, indent=1)
     return 0 if ok else 1
 
 
