@@ -202,15 +202,23 @@ class SnapshotStore:
                     raise
                 time.sleep(0.5 * 2 ** i)
 
-    def save(self, state: dict, step: int) -> dict:
-        """Serialize and commit one snapshot now; returns its manifest entry."""
+    @contextlib.contextmanager
+    def _save_failures(self, what: str, step: int, tried: str = "") -> Iterator[None]:
+        """Whatever makes a save fail becomes one SnapshotError naming the step, the place, the cause and
+        what to do about it (the caller decides whether training goes on); a lost lease stays a LeaseError,
+        since it means another job owns the path and this one must stop."""
         try:
-            return self._commit(_serialize(state), step)
+            yield
         except LeaseError:
             raise
         except Exception as e:  # noqa: BLE001 - reported with a hint, whatever it is
-            raise SnapshotError(f"snapshot save of step {step} to {self.url!r} failed after {self.save_attempts} "
-                                f"attempts ({type(e).__name__}: {e}); {_hint(e)}") from e
+            raise SnapshotError(f"{what} of step {step} to {self.url!r} failed{tried} "
+                                f"({type(e).__name__}: {e}); {_hint(e)}") from e
+
+    def save(self, state: dict, step: int) -> dict:
+        """Serialize and commit one snapshot now; returns its manifest entry."""
+        with self._save_failures("snapshot save", step, f" after {self.save_attempts} attempts"):
+            return self._commit(_serialize(state), step)
 
     def _commit(self, data: memoryview, step: int) -> dict:
         entry = {"file": self._name(step, "pt"), "step": step, **_fingerprint(data)}
@@ -260,7 +268,7 @@ class SnapshotStore:
         from distributed import all_gather_objects
 
         name = self._name(step, EXTENSIONS[kind])
-        try:
+        with self._save_failures(f"{kind} snapshot save", step):
             mine, error = {}, None
             with tempfile.TemporaryDirectory(prefix=f"{kind}-stage-") as stage:
                 folder = write(stage)
@@ -288,11 +296,6 @@ class SnapshotStore:
                      "bytes": sum(f["bytes"] for f in files.values())}
             self._publish(entry)
             return entry
-        except LeaseError:
-            raise
-        except Exception as e:  # noqa: BLE001 - reported with a hint, whatever it is
-            raise SnapshotError(f"{kind} snapshot save of step {step} to {self.url!r} failed "
-                                f"({type(e).__name__}: {e}); {_hint(e)}") from e
 
     def save_async(self, state: dict, step: int) -> None:
         """Copy state to CPU memory now, write it in a background thread while training goes on.
