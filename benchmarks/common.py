@@ -30,10 +30,9 @@ def main_command(nproc: int, overrides: list[str], torchrun_flags: tuple[str, ..
 
 def hardware() -> dict:
     """The device this process computes on, in words: the GPU's name, or the CPU's model with the
-    instruction sets that decide its speed here (AVX-512, native bf16: AVX-512 BF16 and AMX)."""
+    instruction sets that decide its speed here (AVX-512, native bf16: AVX-512 BF16 and AMX). Like every
+    script here, its caller has put REPO on sys.path."""
     import torch
-
-    sys.path.insert(0, REPO)
     from parallel import cpu_flags
 
     if torch.cuda.is_available():

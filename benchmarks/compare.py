@@ -28,6 +28,8 @@ import time
 
 from common import REPO, free_port, hardware
 
+sys.path.insert(0, REPO)
+
 # What `pip install horovod==0.28.1` (its newest release, 2023) did here, with HOROVOD_WITH_PYTORCH=1
 # HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 against torch 2.13: its common and gloo parts compiled, then
 # its PyTorch extension, which Horovod compiles with -std=c++14, stopped at torch's headers.
