@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
 import hashlib
 import inspect
 import textwrap
@@ -84,6 +85,30 @@ def job_schema() -> type:
     """The whole config as one dataclass: a field per section."""
     return dataclasses.make_dataclass(
         "JobConfig", [(name, cls, dataclasses.field(default_factory=cls)) for name, cls in sections().items()])
+
+
+def unknown_keys(cfg: Any) -> list[str]:
+    """The keys of a composed config that the schema lacks (`hydra.*` is Hydra's own), in order."""
+    from omegaconf import OmegaConf
+
+    schema, found = sections(), []
+    for name in cfg:
+        if name == "hydra":
+            continue
+        if name not in schema or not OmegaConf.is_dict(cfg[name]):
+            found.append(str(name))
+            continue
+        known = {f.name for f in dataclasses.fields(schema[name])}
+        found += [f"{name}.{key}" for key in cfg[name] if key not in known]
+    return found
+
+
+def unknown_key_error(key: str) -> ConfigError:
+    """The one message for an unknown key, however it was written (key=, +key=, ++key=, YAML)."""
+    known = [f"{name}.{f.name}" for name, cls in sections().items() for f in dataclasses.fields(cls)]
+    close = difflib.get_close_matches(key, known + list(sections()), n=1)
+    hint = f"did you mean {close[0]}? " if close else ""
+    return ConfigError(f"{key} is not a key of this config; {hint}python main.py --help lists every key")
 
 
 def field_docs(cls: type) -> dict[str, str]:

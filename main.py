@@ -14,9 +14,13 @@ command resumes from the newest snapshot of the run (trainer_config.run_dir).
 
 from __future__ import annotations
 
+import atexit
 import os
+import re
 import sys
+import traceback
 import uuid
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import hydra
@@ -29,7 +33,9 @@ require_supported_torch()  # before the imports below, which need a recent torch
 import torch
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
 from hydra.types import RunMode
+from omegaconf.errors import OmegaConfBaseException
 
 import config
 from char_dataset import CharDataset, DataConfig, DatasetError
@@ -105,8 +111,18 @@ def take_snapshot_path(store: SnapshotStore, ttl_s: float, ctx: DistContext) -> 
     print0(f"lease | {store.url} | generation {store.generation} | {how} | renewed every {ttl_s / 4:g} s")
 
 
-def run(job) -> int:
-    """Train one job (a config.job_schema() instance) on this process's rank; returns the exit code."""
+@dataclass
+class Outcome:
+    """How one job ended, as its launcher and a sweep need it."""
+
+    code: int
+    """The exit code: 0 finished, 1 a user error (said in one line), 128+N stopped by signal N."""
+    val_loss: float | None = None
+    """The last validation loss (a sweep's objective); None if the job never evaluated."""
+
+
+def run(job) -> Outcome:
+    """Train one job (a config.job_schema() instance) on this process's rank."""
     data_cfg, gpt_cfg, tcfg = job.data_config, job.gpt_config, job.trainer_config
     ctx, store = None, None
     try:
@@ -138,18 +154,19 @@ def run(job) -> int:
         take_snapshot_path(store, tcfg.lease_ttl_s, ctx)
         run_config = {name: to_dict(getattr(job, name)) for name in config.sections()}
         trainer = Trainer(model, dataset, tcfg, job.optimizer_config, ctx, run_config, store, job.deepspeed_config)
-        _KEEP_UNTIL_EXIT.append(trainer)
+        if ctx.distributed:  # (a sweep's jobs are single processes: nothing to keep between them)
+            _KEEP_UNTIL_EXIT.append(trainer)
         on_all_ranks(trainer.checkpointer.resume)
         finished = trainer.train()
         # Leave together: a rank exiting while rank 0 still writes its last snapshot
         # has been seen to abort the gloo teardown ("terminate called without an active exception").
         barrier()
         # Stopped by a signal: non-zero, so schedulers (Kubernetes, SLURM) know the job is not done.
-        return 0 if finished else 128 + (trainer.stop_signal or 15)
+        return Outcome(0 if finished else 128 + (trainer.stop_signal or 15), trainer.last_val_loss)
     except (StartupError, *USER_ERRORS) as e:
         record_exit(ctx, f"{type(e).__name__}: {e}")
         print0(f"error: {e}", file=sys.stderr)  # every rank has the same message: rank 0 says it
-        return 1
+        return Outcome(1)
     except BaseException as e:
         # Anything else (a peer vanished mid-collective, a timeout, a bug): note it for
         # the next attempt's report, then let it propagate with its traceback.
@@ -162,7 +179,13 @@ def run(job) -> int:
 
 
 def to_job(cfg: DictConfig) -> Any:
-    """The composed config as dataclasses (each section's __post_init__ checks its ranges)."""
+    """The composed config as dataclasses (each section's __post_init__ checks its ranges).
+
+    Hydra refuses an unknown key written as `key=value`, but applies `+key=` and `++key=` with
+    its struct check off, and to_object would then drop the stray key without a word: so the
+    composed keys are compared with the schema here, whatever wrote them."""
+    if unknown := config.unknown_keys(cfg):
+        raise config.unknown_key_error(unknown[0])
     return OmegaConf.to_object(cfg)
 
 
@@ -192,45 +215,114 @@ def give_sweep_job_its_own_directory(cfg: DictConfig) -> str:
     return ""
 
 
-# Exit codes of the jobs this process ran (several in a --multirun sweep).
-_JOB_CODES: list[int] = []
+class JobFailed(Exception):
+    """A sweep job that did not finish. Raised from the task function, so that every launcher
+    (in this process, joblib's worker processes, submitit's SLURM jobs) records the job as failed
+    and the sweep exits non-zero; a module-level record would stay in the process that ran it."""
+
+    def __init__(self, code: int, job_dir: str):
+        super().__init__(code, job_dir)
+        self.code, self.job_dir = code, job_dir
+
+    def __str__(self) -> str:
+        return f"a sweep job failed with exit code {self.code} (its directory: {self.job_dir})"
 
 
-# An absolute config_path: the YAML is found wherever you launch from, and also when
-# this module is imported by another entry point.
-@hydra.main(config_path=REPO, config_name="gpt2_train_cfg", version_base=None)
-def main(cfg: DictConfig) -> None:
-    # Hydra has composed the schema, the config groups, the YAML and the command line, and
-    # refused unknown keys and wrong types. A sweep runs this once per job: a failed job is
-    # recorded (cli() exits non-zero) and the sweep goes on; a stop signal ends it.
-    problem = give_sweep_job_its_own_directory(cfg) if HydraConfig.get().mode == RunMode.MULTIRUN else ""
+def train_job(cfg: DictConfig) -> float:
+    """Hydra's task function: one job, in this process. Returns its last validation loss, the value
+    sweepers (Optuna...) minimise. A failure ends a single run with its exit code; in a sweep it
+    fails this job (the other jobs go on) and a stop signal ends the sweep.
+
+    It lives in this module under its own name, undecorated, so that joblib and submitit pickle it
+    by reference (the worker imports main.py, which registers the config, and runs the job)."""
+    sweep = HydraConfig.get().mode == RunMode.MULTIRUN
+    problem = give_sweep_job_its_own_directory(cfg) if sweep else ""
     if problem:  # refused before any job: rank 0 says why and fails; under torchrun the other ranks
         print0(f"error: {problem}", file=sys.stderr)  # leave quietly, so none is killed before it speaks
         raise SystemExit(1 if is_main_process() else 0)
     try:
-        job = to_job(cfg)
-    except ConfigError as e:  # a range or a combination: one line, exit 1 like every user error
+        outcome = run(to_job(cfg))
+    except ConfigError as e:  # a range, a combination or an unknown key: one line, exit 1
         print0(f"error: {e}", file=sys.stderr)
-        code = 1
-    else:
-        code = run(job)
-    _JOB_CODES.append(code)
-    if code > 128:  # stopped by a signal (SIGTERM: preemption): end the whole sweep now
-        raise SystemExit(code)
+        outcome = Outcome(1)
+    if outcome.code and (outcome.code > 128 or not sweep):  # a stop signal ends a whole sweep
+        raise SystemExit(outcome.code)
+    if outcome.code:
+        raise JobFailed(outcome.code, HydraConfig.get().runtime.output_dir)
+    return float("nan") if outcome.val_loss is None else outcome.val_loss
+
+
+# An absolute config_path: the YAML is found wherever you launch from, and also when
+# this module is imported by another entry point. Hydra has composed the schema, the config
+# groups, the YAML and the command line, and refused unknown keys and wrong types, before it
+# calls train_job.
+main = hydra.main(config_path=REPO, config_name="gpt2_train_cfg", version_base=None)(train_job)
+
+
+def hydra_error_line(e: Exception) -> str:
+    """One line for a config Hydra could not compose: the unknown key as to_job says it, else
+    Hydra's own words (the key and its problem)."""
+    plugin = re.search(r"Could not find '(hydra/(?:launcher|sweeper))/([\w-]+)'", str(e))
+    if plugin:  # Hydra's launchers and sweepers are plugins, in the [sweeps] extra
+        return (f"error: {plugin[1]}={plugin[2]} is not installed; Hydra's joblib and submitit launchers "
+                "and Optuna sweeper come with: pip install -e '.[sweeps]'")
+    for cause in _causes(e):  # OmegaConf's "Key 'max_step' not in 'TrainerConfig'", with its full_key
+        if getattr(cause, "full_key", "") and re.match(r"Key '[^']*' not in ", str(cause)):
+            return f"error: {config.unknown_key_error(cause.full_key)}"
+    return "\n".join(str(c).strip() for c in _causes(e)[:2])  # Hydra's words and OmegaConf's
+
+
+def _causes(e: BaseException | None) -> list[BaseException]:
+    """e and what led to it (Hydra re-raises OmegaConf's errors, sometimes only as the context)."""
+    chain = []
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    return chain
 
 
 def cli() -> None:
-    """Run main() and exit the process: with Hydra's code if it refused the config, else the
-    first failed job's code (0 when every job succeeded)."""
+    """Run main() and exit the process with the job's code (a sweep: non-zero if any job failed)."""
+    # Hydra's errors reach this function as exceptions, not as Hydra's printed report, so a config
+    # typo reads the same wherever it was written (unless the user asked for Hydra's full trace).
+    trace = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     try:
         main()
-        code = next((c for c in _JOB_CODES if c), 0)
-    except SystemExit as e:  # a stop signal's code, or Hydra's after it reported an error
+        code = 0
+    except JobFailed as e:  # the first failed job of a sweep, re-raised by Hydra's sweeper
+        print0(f"error: {e}", file=sys.stderr)
+        code = e.code
+    except (HydraException, OmegaConfBaseException) as e:
+        if trace:
+            raise
+        print0(hydra_error_line(e), file=sys.stderr)
+        code = 1
+    except SystemExit as e:  # a single run's code, a stop signal, or Hydra's after it reported an error
         code = e.code if isinstance(e.code, int) else 1
     except KeyboardInterrupt:  # a second Ctrl-C / SIGTERM: stop now, without a snapshot
         code = 130
+    except Exception:  # a bug, or a peer that vanished: the traceback, and a failed exit
+        traceback.print_exc()
+        code = 1
+    stop_sweep_workers()
     exit_process(code)
 
 
+def stop_sweep_workers() -> None:
+    """Shut down the worker processes of Hydra's joblib launcher, if it ran. joblib keeps them for
+    reuse for 5 minutes; left running, they hold this process's stdout open that long, and
+    whatever reads it (a pipe, a test) waits for them."""
+    loky = sys.modules.get("joblib.externals.loky.reusable_executor")
+    if loky is not None and loky._executor is not None:
+        loky._executor.shutdown(wait=True)
+        atexit._run_exitfuncs()  # joblib's: remove its shared-memory folder (exit_process skips them)
+
+
 if __name__ == "__main__":
-    cli()
+    # Run as `python main.py`, this file is the module __main__, whose functions a launcher
+    # would pickle by value with everything they reach. Run it as the module `main` instead,
+    # so Hydra's joblib and submitit launchers pickle train_job by name.
+    import main as story
+
+    story.cli()

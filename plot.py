@@ -5,12 +5,14 @@
 
 Each metrics file is the JSON-lines history a run writes (trainer_config.metrics_path):
 one record per logged step with train_loss, tokens_per_sec and, at evaluations,
-val_loss. matplotlib is an optional extra: pip install -e ".[plot]".
+val_loss. matplotlib is an optional extra (pip install -e ".[plot]"); without it, plot.py prints
+the validation loss as a text chart instead of drawing a PNG.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 
@@ -92,8 +94,26 @@ def main(argv: list[str] | None = None) -> int:
         if not os.path.exists(path):
             sys.exit(f"error: no metrics file at {path}; train first or pass trainer_config.metrics_path's value")
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.metrics[0])), "metrics.png")
+    if importlib.util.find_spec("matplotlib") is None:  # the light install: a chart in the terminal
+        print(text_chart(args.metrics))
+        print('plot | no PNG: matplotlib is not installed (pip install -e ".[plot]")')
+        return 0
     print(f"plot | {plot_runs(args.metrics, out, args.title)}")
     return 0
+
+
+def text_chart(paths: list[str], width: int = 50) -> str:
+    """The validation loss of each run at each evaluation, as bars of '#' (lower is better)."""
+    lines = []
+    for path in paths:
+        evals = [r for r in MetricsLog.read(path) if "val_loss" in r]
+        if not evals:
+            sys.exit(f"error: {path} has no evaluations yet; point plot.py at a trainer_config.metrics_path file")
+        top = max(r["val_loss"] for r in evals)
+        lines.append(f"val loss | {path}")
+        lines += [f"step {r['step']:>7} | {r['val_loss']:.4f} | {'#' * max(1, round(width * r['val_loss'] / top))}"
+                  for r in evals]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

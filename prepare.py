@@ -44,7 +44,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from sources import CHUNK_BYTES, DatasetError, SourceFile, chunks, decode, find_sources
+from sources import CHUNK_BYTES, DatasetError, SourceFile, chunks, compression_of, decode, find_sources
 
 DEFAULT_CACHE_DIR = "data/prepared"
 META = "meta.json"
@@ -276,7 +276,8 @@ def _build(directory: str, spec: str, files: list[SourceFile], s3_endpoint_url: 
                 with contextlib.suppress(OSError):
                     os.remove(os.path.join(directory, old))
     seconds, mb = time.perf_counter() - t0, meta["source_bytes"] / 1e6
-    log(f"data | prepared {n_chars:,} characters ({mb:.1f} MB) in {seconds:.2f} s ({mb / max(seconds, 1e-9):.0f} MB/s)"
+    packed = " compressed" if any(compression_of(s.url) for s in files) else ""
+    log(f"data | prepared {n_chars:,} characters ({mb:.1f} MB{packed}) in {seconds:.2f} s ({mb / max(seconds, 1e-9):.0f} MB/s)"
         f" | vocabulary {len(vocab)} | {dtype} ids in {tokens_path}")
 
 

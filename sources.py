@@ -3,21 +3,26 @@
 data_config.path names one file or several (a glob, concatenated in name order). Each
 becomes a SourceFile: its URL, its size, an identity that changes when the file does
 (mtime for local files, the ETag on S3, fsspec's ukey elsewhere), and a way to stream
-its bytes. prepare.py reads every source this way, twice, with memory bounded by the
+its bytes. A file named .gz, .bz2, .xz, .lzma or .zst (zstd needs the zstandard package) is
+decompressed as it is read; its size and identity stay the compressed file's. prepare.py reads
+every source this way, twice, with memory bounded by the
 chunk size whatever the corpus size; it compares identities to know when a prepared
 copy is stale.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import glob
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 import fsspec
+import fsspec.compression
+import fsspec.utils
 
 CHUNK_BYTES = 16 << 20  # memory per pass is a few times this, whatever the corpus size
 _GLOB = re.compile(r"[*?\[]")
@@ -45,6 +50,32 @@ def _directory_hint(name: str) -> DatasetError:
                         f"e.g. data_config.path='{name.rstrip('/')}/*.txt'")
 
 
+def compression_of(url: str) -> str | None:
+    """The codec a file's name says it is compressed with (fsspec's names: gzip for .gz, bz2, xz,
+    lzma, zstd for .zst), or None for plain text."""
+    codec = fsspec.utils.infer_compression(url)
+    if codec is None and url.endswith((".zst", ".zstd")):  # fsspec knows zstd only when it can read it
+        raise DatasetError(f"data_config.path: {url} is zstd-compressed; to read it: pip install -e '.[zstd]'")
+    if codec == "zip":
+        raise DatasetError(f"data_config.path: {url} is a zip archive, not one compressed file; unzip it "
+                           "and name its files (a glob), or compress them with gzip, bzip2, xz or zstd")
+    return codec
+
+
+def _blocks(url: str, open_raw: Callable[[], BinaryIO]) -> Callable[[], Iterator[bytes]]:
+    """A reader of the file's bytes in CHUNK_BYTES blocks, decompressed on the way if its name says
+    it is compressed (fsspec's codecs read streams, so memory stays bounded whatever the size)."""
+    codec = compression_of(url)
+
+    def blocks() -> Iterator[bytes]:
+        with open_raw() as raw:
+            f = fsspec.compression.compr[codec](raw, mode="rb") if codec else contextlib.nullcontext(raw)
+            with f as stream:
+                while block := stream.read(CHUNK_BYTES):
+                    yield block
+    return blocks
+
+
 def _local_files(spec: str) -> list[SourceFile]:
     path = os.path.expanduser(spec)
     # A name that exists is a file name, even with [ ] ? * in it; only otherwise is it a glob.
@@ -56,12 +87,7 @@ def _local_files(spec: str) -> list[SourceFile]:
                 continue
             raise _directory_hint(name)
         st = os.stat(name)
-
-        def blocks(name=name) -> Iterator[bytes]:
-            with open(name, "rb") as f:
-                while block := f.read(CHUNK_BYTES):
-                    yield block
-
+        blocks = _blocks(name, lambda name=name: open(name, "rb"))
         # mtime alone misses a same-size rewrite that keeps it (cp -p, rsync -a, touch -r);
         # the inode change time (ctime) cannot be set from user space.
         identity = {"mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
@@ -76,9 +102,9 @@ def _s3_files(spec: str, endpoint_url: str) -> list[SourceFile]:
     client = s3_client(endpoint_url)
 
     def source(key: str, size: int, etag: str) -> SourceFile:
-        def blocks() -> Iterator[bytes]:  # IfMatch: a GET of a changed object fails instead of mixing versions
-            yield from client.get_object(Bucket=bucket, Key=key, IfMatch=etag)["Body"].iter_chunks(CHUNK_BYTES)
-        return SourceFile(f"s3://{bucket}/{key}", size, {"etag": etag}, blocks)
+        # IfMatch: a GET of a changed object fails instead of mixing versions
+        body = lambda: client.get_object(Bucket=bucket, Key=key, IfMatch=etag)["Body"]  # noqa: E731
+        return SourceFile(f"s3://{bucket}/{key}", size, {"etag": etag}, _blocks(key, body))
 
     try:  # the key as written (an object may have [ ] ? * in its name)
         head = client.head_object(Bucket=bucket, Key=key)
@@ -119,11 +145,7 @@ def _fsspec_files(spec: str) -> list[SourceFile]:
                 continue
             raise _directory_hint(spec)
 
-        def blocks(p=p) -> Iterator[bytes]:
-            with fs.open(p, "rb") as f:
-                while block := f.read(CHUNK_BYTES):
-                    yield block
-
+        blocks = _blocks(p, lambda p=p: fs.open(p, "rb"))
         files.append(SourceFile(fs.unstrip_protocol(p), info["size"], _fsspec_identity(fs, p, info), blocks))
     return files
 

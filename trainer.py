@@ -23,7 +23,7 @@ import signal
 import threading
 import time
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
@@ -295,7 +295,11 @@ class Trainer:
         """Train to max_steps; returns False if stopped early by SIGTERM/SIGINT (after a snapshot)."""
         # SIGTERM is what SLURM, Kubernetes and torchrun send before killing a job:
         # finish the step on every rank, snapshot, exit, instead of losing the work since the last save.
-        handlers = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        # Under submitit (Hydra's submitit launcher), its handler for the preemption signal requeues
+        # the job: it is called once this step is snapshotted, so the requeued job resumes from it.
+        handover = submitit_preemption()
+        stops = (signal.SIGTERM, signal.SIGINT) + ((handover[0],) if handover else ())
+        handlers = {sig: signal.signal(sig, self._request_stop) for sig in stops}
         try:
             finished = self._train_loop()
         finally:
@@ -305,6 +309,9 @@ class Trainer:
                 self._trace.close()
         if self.ctx.is_main:
             self.store.wait()  # the final save is on disk before the process exits
+        if handover and self.stop_signal == handover[0]:
+            print0("preempted | snapshot saved; submitit requeues this job, which resumes from it")
+            handover[1](self.stop_signal, None)  # scontrol requeue, then exit
         return finished
 
     # ------------------------------------------------------------------ the loop
@@ -414,6 +421,17 @@ class Trainer:
         window.reset(step)
         self.data_seconds = 0.0
         return reached
+
+
+def submitit_preemption() -> tuple[int, Callable] | None:
+    """submitit's preemption signal (SIGUSR2 unless SUBMITIT_PREEMPT_SIGNAL says otherwise) and its
+    handler, when this process is a submitit job; None otherwise. The handler requeues the job and
+    exits; it saves nothing of the job's own, which is why the Trainer snapshots first."""
+    if "SUBMITIT_FOLDER" not in os.environ:
+        return None
+    sig = getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"), None)
+    handler = signal.getsignal(sig) if sig is not None else None
+    return (sig, handler) if callable(handler) else None
 
 
 # A repeat of a stop signal within this many seconds is the same request delivered twice (by SLURM

@@ -78,3 +78,47 @@ def test_etcd_stopping_mid_job_fails_the_job_clearly_and_loses_no_snapshot(etcd,
     finally:
         restarted.stop()
     assert f"resume | step {saved} |" in out and f"done | step {saved + 10}" in out
+
+
+def check_etcd(endpoint: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "distributed.py"), "check-etcd", endpoint],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_the_etcd_check_passes_a_v2_server_and_refuses_one_without_v2_in_one_line(etcd):
+    ok = check_etcd(etcd.endpoint)
+    assert ok.returncode == 0 and "serves the v2 API" in ok.stdout
+    plain = EtcdServer(enable_v2=False)
+    try:
+        refused = check_etcd(plain.endpoint)
+    finally:
+        plain.stop()
+    assert refused.returncode == 1
+    assert refused.stderr.strip().endswith("runs without its v2 API; start it with --enable-v2")
+
+
+def test_the_etcd_check_refuses_etcd_3_6_which_removed_the_v2_api():
+    # No etcd 3.6 binary is packaged for pip; a loopback server answering /version as 3.6 does
+    # stands in for it (the check reads nothing else before refusing).
+    import http.server
+    import threading
+
+    class Etcd36(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b'{"etcdserver":"3.6.1","etcdcluster":"3.6.0"}' if self.path == "/version" else b"404"
+            self.send_response(200 if self.path == "/version" else 404)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Etcd36)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        result = check_etcd(f"127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()
+    assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1
+    assert "etcd 3.6.1 at http://127.0.0.1:" in result.stderr
+    assert "has no v2 API (etcd 3.6 removed it)" in result.stderr and "--rdzv_backend=c10d" in result.stderr

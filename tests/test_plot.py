@@ -8,7 +8,6 @@ import pytest
 
 from conftest import REPO
 
-pytest.importorskip("matplotlib")
 
 
 def write_metrics(path, losses):
@@ -22,6 +21,7 @@ def write_metrics(path, losses):
 
 
 def test_plot_draws_one_png_from_several_runs(tmp_path):
+    pytest.importorskip("matplotlib")
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
         write_metrics(tmp_path / name / "metrics.jsonl", [4.0, 3.0, 2.5, 2.2])
@@ -37,3 +37,20 @@ def test_plot_of_a_missing_file_is_a_one_line_error(tmp_path):
                             capture_output=True, text=True)
     assert result.returncode != 0
     assert result.stderr.strip().startswith("error: no metrics file at") and "Traceback" not in result.stderr
+
+
+def test_without_matplotlib_plot_prints_the_val_loss_as_a_text_chart(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    import plot
+
+    write_metrics(tmp_path / "metrics.jsonl", [4.0, 3.0, 2.5, 2.0])
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    assert plot.main([str(tmp_path / "metrics.jsonl")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    bars = [line for line in out if line.startswith("step ")]
+    assert [b.split(" | ")[1] for b in bars] == ["3.1000", "2.1000"]  # the two evaluations, in order
+    assert bars[0].count("#") == 50 and bars[1].count("#") == round(50 * 2.1 / 3.1)
+    assert out[-1] == 'plot | no PNG: matplotlib is not installed (pip install -e ".[plot]")'
+    assert not (tmp_path / "metrics.png").exists()

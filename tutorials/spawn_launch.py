@@ -43,7 +43,7 @@ def worker(local_rank: int, nproc: int, port: int, overrides: list[str]) -> None
     # The config main.py would compose from these overrides (schema, groups, YAML): a typo is
     # refused here too, with Hydra's message, not silently ignored.
     job = main.to_job(main.compose(overrides))  # the parent checked these overrides already
-    main.exit_process(main.run(job))  # a non-zero exit makes mp.spawn raise in the parent
+    main.exit_process(main.run(job).code)  # a non-zero exit makes mp.spawn raise in the parent
 
 
 def main() -> int:

@@ -1,0 +1,103 @@
+"""Sweeps through Hydra's launcher and sweeper plugins: joblib (jobs in worker processes at once),
+submitit (each job a SLURM job on a real one-node cluster), Optuna (the job's final validation loss
+is the objective). Every job gets its own directory, and a failed job makes the sweep exit non-zero
+whatever process ran it."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, tiny_overrides
+
+pytestmark = pytest.mark.slow
+
+
+def sweep(args: list[str], tmp_path: Path, env: dict | None = None, timeout: float = 300):
+    """python main.py --multirun ARGS, with its jobs under tmp_path/sweep; returns the finished process."""
+    cmd = [sys.executable, str(REPO / "main.py"), "--multirun", f"hydra.sweep.dir={tmp_path / 'sweep'}", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+
+def jobs(tmp_path: Path) -> dict[Path, list[dict]]:
+    """Each job directory of the sweep with its metrics records."""
+    return {p.parent: [json.loads(line) for line in p.read_text().splitlines()]
+            for p in sorted((tmp_path / "sweep").glob("*/metrics.jsonl"))}
+
+
+def final_val_loss(records: list[dict]) -> float:
+    return [r["val_loss"] for r in records if "val_loss" in r][-1]
+
+
+def tiny(shakespeare: Path, tmp_path: Path, **trainer) -> list[str]:
+    args = tiny_overrides(shakespeare, tmp_path, **{"max_steps": 10, **trainer})
+    return [a for a in args if not a.startswith("trainer_config.run_dir=")]  # each job has its own
+
+
+def test_joblib_runs_two_jobs_at_once_in_worker_processes(shakespeare, tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="pip install hydra-joblib-launcher")
+    result = sweep(["hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+                    "optimizer_config.learning_rate=1e-3,8e-3", *tiny(shakespeare, tmp_path)], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = jobs(tmp_path)
+    assert len(found) == 2 and all(final_val_loss(records) > 0 for records in found.values())
+    # Each job ran in a worker process of its own (the lease names the process that held it).
+    pids = {json.loads((job / "snapshots" / "lease.json").read_text())["pid"] for job in found}
+    assert len(pids) == 2 and os.getpid() not in pids
+
+
+def test_joblib_and_basic_sweeps_with_a_refused_job_run_the_other_and_exit_non_zero(shakespeare, tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="pip install hydra-joblib-launcher")
+    for launcher in (["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"], []):
+        out = tmp_path / (launcher[0].split("=")[1] if launcher else "basic")
+        result = sweep([*launcher, *tiny(shakespeare, out), "data_config.block_size=32,200000"], out)
+        assert result.returncode == 1, result.stderr[-3000:]
+        assert "error: data_config.train_split: the validation region has" in result.stderr
+        assert "error: a sweep job failed with exit code 1" in result.stderr
+        assert len(jobs(out)) == 1  # the good job finished
+
+
+def test_an_optuna_sweep_minimises_the_final_validation_loss(shakespeare, tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="pip install hydra-optuna-sweeper")
+    result = sweep(["hydra/sweeper=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.sampler.seed=1",
+                    "optimizer_config.learning_rate=tag(log,interval(1e-4,1e-2))",
+                    *tiny(shakespeare, tmp_path)], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    best = yaml.safe_load((tmp_path / "sweep" / "optimization_results.yaml").read_text())["best_value"]
+    losses = [final_val_loss(records) for records in jobs(tmp_path).values()]
+    assert len(losses) == 3 and best == min(losses) and best < float("inf")
+
+
+def test_submitit_runs_each_job_as_a_slurm_job_and_a_preempted_one_resumes(shakespeare, tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install hydra-submitit-launcher")
+    from slurm_cluster import SlurmCluster
+    from test_slurm import wait_until
+
+    cluster = SlurmCluster()
+    try:
+        # timeout_min 60: submitit counts a signal in the last 10 minutes as a time-out, not preemption.
+        args = ["hydra/launcher=submitit_slurm", f"hydra.launcher.submitit_folder={tmp_path / 'submitit'}",
+                "hydra.launcher.timeout_min=60", "hydra.launcher.mem_gb=null", "hydra.launcher.cpus_per_task=1",
+                "optimizer_config.learning_rate=1e-3,8e-3",
+                *tiny(shakespeare, tmp_path, max_steps=300, save_every=100000, eval_every=100000)]
+        cmd = [sys.executable, str(REPO / "main.py"), "--multirun", f"hydra.sweep.dir={tmp_path / 'sweep'}", *args]
+        proc = subprocess.Popen(cmd, cwd=REPO, env={**cluster.env, "PYTHONUNBUFFERED": "1"},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        logs = lambda: "".join(p.read_text() for p in (tmp_path / "submitit").glob("*_log.out"))  # noqa: E731
+        wait_until(lambda: "| loss " in logs(), "a job to train", logs)
+        first = cluster.run("squeue", "-h", "-o", "%i").split()[0]
+        cluster.run("scancel", "--signal=USR2", first)  # what SLURM sends before a job's time limit
+        out, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, out[-3000:]
+        found = jobs(tmp_path)
+        assert len(found) == 2 and all(records[-1]["step"] == 300 for records in found.values())
+        assert "preempted | SIGUSR2 received | saving step " in logs(), logs()[-3000:]
+        saved = int(logs().split("preempted | SIGUSR2 received | saving step ")[1].split(";")[0])
+        assert f"resume | step {saved} |" in logs()  # the requeued job went on from its snapshot
+    finally:
+        cluster.stop()
