@@ -4,12 +4,10 @@ corpus is prepared, locally, in a glob and on S3, and give the very token file t
 import bz2
 import gzip
 import lzma
-import re
 
 import pytest
 
 import sources
-from conftest import run_main, tiny_overrides
 from prepare import ensure_prepared
 from sources import DatasetError
 
@@ -89,17 +87,15 @@ def test_a_compressed_s3_object_is_decoded_while_it_is_prepared(s3, bucket, corp
         assert prepared.meta["files"][0]["identity"]["etag"]
 
 
-def first_losses(stdout: str) -> list[str]:
-    return re.findall(r"\| loss (\d+\.\d+) \|", stdout)
-
-
 @pytest.mark.slow
 def test_training_on_each_format_gives_the_same_first_losses(corpora, tmp_path):
-    losses = {}
-    for suffix, path in corpora.items():
-        args = tiny_overrides(path, tmp_path / suffix.strip("."), max_steps=3, log_every=1, eval_every=3)
-        result = run_main(args)
-        assert result.returncode == 0, result.stderr[-2000:]
-        losses[suffix] = first_losses(result.stdout)
-    assert len(losses[".txt"]) == 3
-    assert all(found == losses[".txt"] for found in losses.values()), losses
+    # One sweep, one process (one torch start-up): a job per format, each in its own directory.
+    from test_sweeps import jobs, sweep, tiny
+
+    paths = ",".join(str(p) for suffix, p in corpora.items() if suffix != ".zst")  # zstd: same tokens, above
+    result = sweep([*tiny(corpora[".txt"], tmp_path, max_steps=3, log_every=1, eval_every=3),
+                    f"data_config.path={paths}"], tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    losses = [[r["train_loss"] for r in records if "train_loss" in r] for records in jobs(tmp_path).values()]
+    assert len(losses) == 4 and len(losses[0]) == 3
+    assert all(found == losses[0] for found in losses), losses
