@@ -8,7 +8,7 @@
     python main.py --help                                  # the groups, and every key with its meaning
 
 Every process of the job runs this same file. They differ only in the RANK /
-LOCAL_RANK the launcher gives them (read in distributed.py). Rerunning the same
+LOCAL_RANK the launcher gives them (read in mingpt_ddp/runtime/distributed.py). Rerunning the same
 command resumes from the newest snapshot of the run (trainer_config.run_dir).
 """
 
@@ -26,7 +26,7 @@ from typing import Any, Callable
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from versions import require_supported_torch
+from mingpt_ddp.runtime.versions import require_supported_torch
 
 require_supported_torch()  # before the imports below, which need a recent torch
 
@@ -37,17 +37,30 @@ from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf.errors import OmegaConfBaseException
 
-import config
+from mingpt_ddp.config import schema as config
 from char_dataset import CharDataset, DataConfig, DatasetError
-from config import ConfigError, to_dict
+from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.config.schema import to_dict
 from data.fetch_shakespeare import FetchError, ensure_tinyshakespeare
-from distributed import (DistContext, all_gather_objects, barrier, exit_process, is_main_process,
-                         keep_freed_cpu_memory, launched_with_ranks, previous_attempt_report, print0, record_exit,
-                         set_cpu_threads, setup_distributed, teardown_distributed)
-from lease import LeaseError
+from mingpt_ddp.runtime.distributed import (
+    DistContext,
+    all_gather_objects,
+    barrier,
+    exit_process,
+    is_main_process,
+    keep_freed_cpu_memory,
+    launched_with_ranks,
+    previous_attempt_report,
+    print0,
+    record_exit,
+    set_cpu_threads,
+    setup_distributed,
+    teardown_distributed,
+)
+from mingpt_ddp.snapshots.lease import LeaseError
 from model import GPT
-from parallel import choose_precision
-from snapshot import SnapshotError, SnapshotStore
+from mingpt_ddp.parallel.plan import choose_precision
+from mingpt_ddp.snapshots.store import SnapshotError, SnapshotStore
 from trainer import Trainer
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -101,7 +114,7 @@ def fetch_default_corpus(cfg: DataConfig, ctx: DistContext) -> None:
 
 def take_snapshot_path(store: SnapshotStore, ttl_s: float, ctx: DistContext) -> None:
     """One writer per snapshot path: global rank 0, the rank that commits, takes the path's lease for
-    this job (lease.py) before anything is written; then every rank learns its generation, which
+    this job (mingpt_ddp/snapshots/lease.py) before anything is written; then every rank learns its generation, which
     names the files it writes. The job's identity is torchrun's run id, so a restarted worker group
     (or a new rank 0 after an elastic membership change) takes its own lease back at once."""
     if ttl_s <= 0:
@@ -287,6 +300,9 @@ def cli() -> None:
     # typo reads the same wherever it was written (unless the user asked for Hydra's full trace).
     trace = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    # A launcher's workers (joblib's processes, submitit's SLURM jobs) import this module to run
+    # train_job: let them find it wherever the sweep was launched from.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
     try:
         main()
         code = 0

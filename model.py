@@ -2,7 +2,7 @@
 
 This module owns the network and nothing else: no process groups, no DDP/FSDP
 wrapping, no data loading. A model built here runs the same in one process, under
-DDP or under FSDP, because all distributed wrapping happens in parallel.py.
+DDP or under FSDP, because all distributed wrapping happens in mingpt_ddp/parallel/plan.py.
 
 Shape notes use B = batch, T = time (sequence length), C = channels (n_embd),
 nh = number of heads, hs = head size (C // nh), V = vocabulary size.
@@ -19,86 +19,11 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from config import ConfigError
+from mingpt_ddp.config.model import MODEL_SIZES, GPTConfig  # noqa: F401 - the model's config, for learners
 
-# Named sizes (layers, heads, width): the options of the `model` config group (config.py),
+# Named sizes (layers, heads, width): the options of the `model` config group (mingpt_ddp/config/schema.py),
 # e.g. python main.py model=gpt-mini. Most are minGPT's; gpt-micro is the default (nanoGPT's
 # CPU recipe), baby-gpt nanoGPT's shakespeare_char GPU model, gpt2 the 124M GPT-2 small.
-MODEL_SIZES: dict[str, tuple[int, int, int]] = {
-    "gpt-micro": (4, 4, 128),
-    "tiny": (2, 2, 32),
-    "gpt-nano": (3, 3, 48),
-    "gpt-mini": (6, 6, 192),
-    "baby-gpt": (6, 6, 384),
-    "gopher-44m": (8, 16, 512),
-    "gpt2": (12, 12, 768),
-    "gpt2-medium": (24, 16, 1024),
-    "gpt2-large": (36, 20, 1280),
-    "gpt2-xl": (48, 25, 1600),
-}
-
-
-@dataclass
-class GPTConfig:
-    """Shape and regularisation of the network (config section `gpt_config`; sizes: model=...)."""
-
-    n_layer: int = 4
-    """Number of transformer blocks."""
-    n_head: int = 4
-    """Attention heads per block; must divide n_embd."""
-    n_embd: int = 128
-    """Width of the residual stream (C)."""
-    dropout: float = 0.0
-    """Dropout on embeddings and on each residual branch (0 for small data and short runs)."""
-    attn_dropout: float = 0.0
-    """Dropout on the attention probabilities inside scaled_dot_product_attention."""
-    bias: bool = True
-    """Bias terms in Linear and LayerNorm layers."""
-    vocab_size: int = 0
-    """Set from the dataset's vocabulary at run time (a value given here is replaced)."""
-    block_size: int = 0
-    """Context length; set from data_config.block_size at run time (a value given here is replaced)."""
-    # The speedrun's switches (modded-nanogpt); each off is nanoGPT's model. The ablation table in the
-    # README (benchmarks/time_to_quality.py --ablation) measures what each one buys.
-    rotary: bool = False
-    """Rotary position embeddings (queries and keys rotated by position) instead of a learned position table."""
-    qk_norm: bool = False
-    """RMS-normalise each head's queries and keys before attention (keeps attention logits bounded)."""
-    activation: str = "gelu"
-    """The MLP's nonlinearity: gelu, or relu2 (ReLU squared, max(0, x)^2: Primer's and the speedrun's)."""
-    zero_init_proj: bool = False
-    """Start the projections that write into the residual stream (and an untied head) at zero, so each block
-    starts as the identity."""
-    tie_embeddings: bool = True
-    """The output head reuses the token embedding matrix (GPT-2); false: the head has its own matrix."""
-    logit_softcap: float = 0.0
-    """Squash logits smoothly into (-cap, cap) with cap * tanh(logits / cap); 0: off."""
-
-    def __post_init__(self) -> None:
-        for name in ("n_layer", "n_head", "n_embd"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"gpt_config.{name} must be positive, got {getattr(self, name)}")
-        if self.n_embd % self.n_head:
-            raise ConfigError(
-                f"gpt_config.n_embd ({self.n_embd}) must be divisible by gpt_config.n_head ({self.n_head})"
-            )
-        for name in ("dropout", "attn_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ConfigError(f"gpt_config.{name} must be in [0, 1), got {getattr(self, name)}")
-        if self.activation not in ACTIVATIONS:
-            raise ConfigError(f"gpt_config.activation must be one of {', '.join(ACTIVATIONS)}, got {self.activation!r}")
-        if self.logit_softcap < 0:
-            raise ConfigError(f"gpt_config.logit_softcap must be >= 0 (0: off), got {self.logit_softcap}")
-        if self.rotary and (self.n_embd // self.n_head) % 2:
-            raise ConfigError(f"gpt_config.rotary=true needs an even head size; n_embd / n_head = "
-                              f"{self.n_embd // self.n_head}")
-
-    # The fields a snapshot must agree on to be loadable into this model: its shape, and what the
-    # weights were trained to compute (the same tensors under another activation would load, and be wrong).
-    SHAPE_FIELDS: ClassVar[tuple[str, ...]] = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size", "bias",
-                                               "rotary", "qk_norm", "activation", "tie_embeddings", "logit_softcap")
-
-
 ACTIVATIONS = {"gelu": F.gelu, "relu2": lambda x: F.relu(x).square()}
 
 
@@ -136,7 +61,7 @@ class CausalSelfAttention(nn.Module):
         self.attn_dropout = cfg.attn_dropout
         self.qk_norm = cfg.qk_norm
         # Under autocast, run attention itself in fp32: on some CPUs the bf16 attention kernels are
-        # slower than fp32 ones. parallel.py decides, by timing both at start (autocast_attention_fp32).
+        # slower than fp32 ones. mingpt_ddp/parallel/plan.py decides, by timing both at start (autocast_attention_fp32).
         self.fp32_under_autocast = False
         # One matmul produces queries, keys and values for all heads at once.
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)

@@ -16,7 +16,7 @@ import importlib.util
 import os
 import sys
 
-from metrics import MetricsLog
+from mingpt_ddp.metrics import MetricsLog
 
 
 def pyplot():

@@ -3,7 +3,7 @@
     python sample.py                                   # newest snapshot of the default run
     python sample.py --snapshot runs/shakespeare_char/snapshots --prompt "ROMEO:" --chars 500
     python sample.py --snapshot s3://bucket/run/snapshots --device cuda --top-k 40 --seed 7
-    python sample.py --snapshot model.pt               # a file from `python snapshot.py consolidate`
+    python sample.py --snapshot model.pt               # a file from `python -m mingpt_ddp.snapshots consolidate`
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from char_dataset import CharTokenizer
 from model import GPT, GPTConfig
-from snapshot import SnapshotError, SnapshotStore
-from train_config import TrainerConfig
+from mingpt_ddp.snapshots.store import SnapshotError, SnapshotStore
+from mingpt_ddp.config.trainer import TrainerConfig
 
 
 def load_model(snapshot: str, device: str) -> tuple[GPT, CharTokenizer, int]:
     """The model and tokenizer of the newest usable snapshot under a directory/URL (any kind:
     single-file or sharded, from any world size), or of one .pt file; and its step."""
-    if snapshot.endswith(".pt"):  # a single file, e.g. from `python snapshot.py consolidate`
+    if snapshot.endswith(".pt"):  # a single file, e.g. from `python -m mingpt_ddp.snapshots consolidate`
         with fsspec.open(snapshot, "rb") as f:
             state = torch.load(f, map_location="cpu", weights_only=True)
         model = _model_for(state)

@@ -4,8 +4,8 @@ One Trainer runs in every process of the job. Under DDP each process holds a ful
 copy (replica) of the model, and DistributedDataParallel averages the gradients of
 all replicas with an all-reduce during backward, so every replica takes the same
 optimizer step and the copies stay identical; under FSDP each holds a shard
-(parallel.py does the wrapping). Each rank trains on a different shard of every
-global batch, chosen as a DistributedSampler would choose it (sampler.py).
+(mingpt_ddp/parallel/plan.py does the wrapping). Each rank trains on a different shard of every
+global batch, chosen as a DistributedSampler would choose it (mingpt_ddp/corpus/order.py).
 
 Data position is kept as *global samples consumed in this epoch* (sampler.DataCursor):
 step by step, the job walks through one seeded permutation of all training windows,
@@ -31,18 +31,40 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from char_dataset import CharDataset
-from checkpoint import Checkpointer
-from config import ConfigError
-from distributed import DistContext, all_gather_objects, all_reduce_mean, print0, warn0
-from metrics import MetricsLog, ProgressLine, format_duration
+from mingpt_ddp.snapshots.protocol import Checkpointer
+from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.runtime.distributed import (
+    DistContext,
+    all_gather_objects,
+    all_reduce_mean,
+    print0,
+    warn0,
+)
+from mingpt_ddp.metrics import MetricsLog, ProgressLine, format_duration
 from model import GPT
-from optim import OptimizerConfig, build_optimizers, check_muon_supported, set_learning_rates, state_tensors
-from parallel import (Plan, autocast, autocast_attention_fp32, bf16_native, check_supported, grad_scaler, local_bytes,
-                      set_tf32, wrap_model)
-from sampler import DataCursor
-from snapshot import SnapshotStore
-from train_config import TrainerConfig
-from zero import DeepSpeedConfig, ZeroEngine, engine_config
+from mingpt_ddp.config.optimizer import OptimizerConfig
+from mingpt_ddp.optim import (
+    build_optimizers,
+    check_muon_supported,
+    set_learning_rates,
+    state_tensors,
+)
+from mingpt_ddp.parallel.plan import (
+    Plan,
+    autocast,
+    autocast_attention_fp32,
+    bf16_native,
+    check_supported,
+    grad_scaler,
+    local_bytes,
+    set_tf32,
+    wrap_model,
+)
+from mingpt_ddp.corpus.order import DataCursor
+from mingpt_ddp.snapshots.store import SnapshotStore
+from mingpt_ddp.config.trainer import TrainerConfig
+from mingpt_ddp.config.deepspeed import DeepSpeedConfig
+from mingpt_ddp.parallel.deepspeed import ZeroEngine, engine_config
 
 
 class Trainer:

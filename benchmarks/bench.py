@@ -42,10 +42,10 @@ sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
 
-from metrics import MetricsLog  # noqa: E402
+from mingpt_ddp.metrics import MetricsLog  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
-# Recipes are the `recipe` config group (config.py): the shape, context and batch each sets, composed
+# Recipes are the `recipe` config group (mingpt_ddp/config/schema.py): the shape, context and batch each sets, composed
 # the way main.py composes them. Their batch is the global batch of every mode here.
 RECIPES = ["nanogpt-cpu", "shakespeare-gpu", "gpt2-gpu"]
 SMOKE = ["model=tiny", "data_config.block_size=32", "trainer_config.batch_size=8"]

@@ -33,7 +33,7 @@ def hardware() -> dict:
     instruction sets that decide its speed here (AVX-512, native bf16: AVX-512 BF16 and AMX). Like every
     script here, its caller has put REPO on sys.path."""
     import torch
-    from parallel import cpu_flags
+    from mingpt_ddp.parallel.plan import cpu_flags
 
     if torch.cuda.is_available():
         return {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "torch": torch.__version__}

@@ -39,7 +39,7 @@ from common import REPO, main_command
 
 sys.path.insert(0, REPO)
 
-from metrics import MetricsLog  # noqa: E402
+from mingpt_ddp.metrics import MetricsLog  # noqa: E402
 
 SHAKESPEARE = os.path.join(REPO, "data", "tinyshakespeare", "input.txt")
 

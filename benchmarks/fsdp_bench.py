@@ -37,12 +37,18 @@ def worker(args) -> None:
     import torch
 
     from char_dataset import CharDataset, DataConfig
-    from distributed import all_gather_objects, exit_process, setup_distributed, teardown_distributed
+    from mingpt_ddp.runtime.distributed import (
+        all_gather_objects,
+        exit_process,
+        setup_distributed,
+        teardown_distributed,
+    )
     from model import GPT, GPTConfig
-    from parallel import local_bytes
-    from snapshot import SnapshotStore
-    from optim import OptimizerConfig, state_tensors
-    from train_config import TrainerConfig
+    from mingpt_ddp.parallel.plan import local_bytes
+    from mingpt_ddp.snapshots.store import SnapshotStore
+    from mingpt_ddp.config.optimizer import OptimizerConfig
+    from mingpt_ddp.optim import state_tensors
+    from mingpt_ddp.config.trainer import TrainerConfig
     from trainer import Trainer
 
     ctx = setup_distributed()

@@ -11,7 +11,7 @@ The matrix, adapted to the number of GPUs G (1 is the common case):
   each trained, snapshotted and resumed;
 - torchrun --nproc_per_node=G: DDP, DDP with gradients through rank 0, FSDP + bf16,
   FSDP + compile, FSDP + CPU offload, each resumed;
-- cross-format resume (DDP snapshot -> FSDP -> one process), `snapshot.py consolidate`, and
+- cross-format resume (DDP snapshot -> FSDP -> one process), `python -m mingpt_ddp.snapshots consolidate`, and
   sample.py on the GPU;
 - the CPU suite with the GPU hidden (CUDA_VISIBLE_DEVICES=), fast subset unless --full;
 - `bench.py --recipe shakespeare-gpu` (ms/step, tokens/s, MFU).
@@ -38,7 +38,7 @@ sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
 
-from metrics import MetricsLog  # noqa: E402
+from mingpt_ddp.metrics import MetricsLog  # noqa: E402
 
 SHAKESPEARE = os.path.join(REPO, "data", "tinyshakespeare", "input.txt")
 SMALL = ["gpt_config.n_layer=4", "gpt_config.n_head=4", "gpt_config.n_embd=128", "data_config.block_size=128",
@@ -119,7 +119,7 @@ def cross_format(m: Matrix, nproc: int) -> None:
     ok = True
     for steps, procs, mode in legs:
         if steps == "consolidate":
-            cmd = [sys.executable, os.path.join(REPO, "snapshot.py"), "consolidate", f"{run_dir}/snapshots",
+            cmd = [sys.executable, "-m", "mingpt_ddp.snapshots", "consolidate", f"{run_dir}/snapshots",
                    f"{run_dir}/consolidated.pt"]
         else:
             cmd = main_command(procs, common + [f"trainer_config.max_steps={steps}", f"trainer_config.parallel={mode}"])

@@ -31,11 +31,11 @@ sys.path.insert(0, REPO)
 import torch  # noqa: E402
 
 from char_dataset import CharDataset, DataConfig  # noqa: E402
-from distributed import DistContext  # noqa: E402
+from mingpt_ddp.runtime.distributed import DistContext  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from snapshot import SnapshotStore  # noqa: E402
-from optim import OptimizerConfig  # noqa: E402
-from train_config import TrainerConfig  # noqa: E402
+from mingpt_ddp.snapshots.store import SnapshotStore  # noqa: E402
+from mingpt_ddp.config.optimizer import OptimizerConfig  # noqa: E402
+from mingpt_ddp.config.trainer import TrainerConfig  # noqa: E402
 from trainer import Trainer  # noqa: E402
 
 MODELS = {  # name: (n_layer, n_head, n_embd)

@@ -32,10 +32,11 @@ from common import REPO, hardware
 
 sys.path.insert(0, REPO)
 
-from distributed import keep_freed_cpu_memory  # noqa: E402
+from mingpt_ddp.runtime.distributed import keep_freed_cpu_memory  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from optim import OptimizerConfig, build_optimizers  # noqa: E402
-from parallel import AMP_DTYPES, Plan, autocast_attention_fp32, choose_precision  # noqa: E402
+from mingpt_ddp.config.optimizer import OptimizerConfig
+from mingpt_ddp.optim import build_optimizers  # noqa: E402
+from mingpt_ddp.parallel.plan import AMP_DTYPES, Plan, autocast_attention_fp32, choose_precision  # noqa: E402
 
 N_LAYER, N_HEAD, N_EMBD, BLOCK, BATCH, VOCAB = 4, 4, 128, 64, 12, 65  # nanoGPT's CPU recipe
 

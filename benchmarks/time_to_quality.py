@@ -40,9 +40,9 @@ from common import REPO, hardware, main_command
 
 sys.path.insert(0, REPO)
 
-from metrics import MetricsLog  # noqa: E402
+from mingpt_ddp.metrics import MetricsLog  # noqa: E402
 
-# The recipes are config groups (config.py: recipe=nanogpt-cpu, ...), so main.py trains them on its own
+# The recipes are config groups (mingpt_ddp/config/schema.py: recipe=nanogpt-cpu, ...), so main.py trains them on its own
 # too; smoke is a seconds-long check for CI.
 RECIPES = {
     "nanogpt-cpu": ["recipe=nanogpt-cpu"],

@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 
 from conftest import free_port
-from distributed import etcd_v2_problem
+from mingpt_ddp.runtime.etcd_check import etcd_v2_problem
 
 
 def etcd_binary() -> str | None:

@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import main  # noqa: E402
-import storage  # noqa: E402
+from mingpt_ddp.snapshots import storage  # noqa: E402
 import trainer  # noqa: E402
 
 kind, fault_rank, fault_step = os.environ["FAULT"].split(":")

@@ -4,7 +4,7 @@ import fsspec
 import pytest
 import torch
 
-import sources
+from mingpt_ddp.corpus import sources
 from char_dataset import CharDataset, DataConfig, DatasetError, TokenWindows, split_point
 
 

@@ -7,9 +7,9 @@ import lzma
 
 import pytest
 
-import sources
-from prepare import ensure_prepared
-from sources import DatasetError
+from mingpt_ddp.corpus import sources
+from mingpt_ddp.corpus.prepare import ensure_prepared
+from mingpt_ddp.errors import DatasetError
 
 COMPRESS = {".gz": gzip.compress, ".bz2": bz2.compress, ".xz": lzma.compress}
 try:

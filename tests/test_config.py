@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-import config
+from mingpt_ddp.config import schema as config
 from conftest import REPO, run_main, tiny_overrides
 from main import compose, to_job
-from metrics import MetricsLog
+from mingpt_ddp.metrics import MetricsLog
 from model import MODEL_SIZES
-from optim import OptimizerConfig
+from mingpt_ddp.config.optimizer import OptimizerConfig
 
 
 TYPO = ("error: trainer_config.max_step is not a key of this config; did you mean "

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import REPO, run_main, tiny_overrides
-from metrics import MetricsLog
+from mingpt_ddp.metrics import MetricsLog
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU")]

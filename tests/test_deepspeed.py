@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO as a parallel mode (zero.py): it trains like DDP, splits the optimizer state as ZeRO
+"""DeepSpeed ZeRO as a parallel mode (mingpt_ddp/parallel/deepspeed.py): it trains like DDP, splits the optimizer state as ZeRO
 promises, and its snapshots keep this project's promises (exact resume, checked files, clear refusals).
 
 Real torchrun jobs at world size 2 on CPU (DS_ACCELERATOR=cpu, gloo), tiny models, seconds each.
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from conftest import REPO, kill_tree, run_main, tiny_overrides, torchrun_cmd, wait_for_line
-from manifest import MANIFEST
-from metrics import MetricsLog
-from snapshot import SnapshotStore
+from mingpt_ddp.snapshots.manifest import MANIFEST
+from mingpt_ddp.metrics import MetricsLog
+from mingpt_ddp.snapshots.store import SnapshotStore
 
 pytest.importorskip("deepspeed", reason="pip install -e \".[deepspeed]\"")
 pytestmark = pytest.mark.slow
@@ -108,7 +108,7 @@ def test_a_zero_snapshot_is_refused_where_it_cannot_resume_naming_what_to_do(sha
 def test_consolidate_and_sample_read_a_zero_snapshot(shakespeare, tmp_path):
     assert train(shakespeare, tmp_path, "zero3", max_steps=10).returncode == 0
     out = tmp_path / "model.pt"
-    done = subprocess.run([sys.executable, str(REPO / "snapshot.py"), "consolidate", str(tmp_path / "snapshots"),
+    done = subprocess.run([sys.executable, "-m", "mingpt_ddp.snapshots", "consolidate", str(tmp_path / "snapshots"),
                            str(out)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "wrote" in done.stdout and "step 10" in done.stdout

@@ -15,15 +15,22 @@ import torch
 
 from char_dataset import CharDataset, DataConfig
 from conftest import REPO, run_main, tiny_overrides
-from config import ConfigError
-from distributed import DistContext, backend_for, choose_device
+from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.runtime.distributed import DistContext, backend_for, choose_device
 from model import GPT, GPTConfig
-from optim import OptimizerConfig
-from parallel import Plan, autocast_attention_fp32, bf16_native, check_supported, choose_precision, set_tf32
-from snapshot import SnapshotStore
-from train_config import TrainerConfig
+from mingpt_ddp.config.optimizer import OptimizerConfig
+from mingpt_ddp.parallel.plan import (
+    Plan,
+    autocast_attention_fp32,
+    bf16_native,
+    check_supported,
+    choose_precision,
+    set_tf32,
+)
+from mingpt_ddp.snapshots.store import SnapshotStore
+from mingpt_ddp.config.trainer import TrainerConfig
 from trainer import Trainer
-from versions import MIN_TORCH, torch_version_problem
+from mingpt_ddp.runtime.versions import MIN_TORCH, torch_version_problem
 
 GLIBC = platform.libc_ver()[0] == "glibc"
 
@@ -184,7 +191,7 @@ def test_the_job_line_says_which_precision_auto_picked_and_why(shakespeare, tmp_
 # 4 KiB pages the kernel had to map and zero, that 30 steps cost, and what the setting said.
 TRAIN_STEPS = """
 import resource, sys, torch
-from distributed import keep_freed_cpu_memory
+from mingpt_ddp.runtime.distributed import keep_freed_cpu_memory
 from model import GPT, GPTConfig
 said = keep_freed_cpu_memory(torch.device("cpu"), enabled=sys.argv[1] == "on")
 torch.manual_seed(0)

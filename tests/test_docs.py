@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, free_port
-from config import sections
+from mingpt_ddp.config.schema import sections
 
 READMES = [REPO / "README.md", REPO / "README.zh-CN.md"]
 DOCS = sorted((REPO / "docs").glob("*.md")) + sorted((REPO / "docs" / "zh-CN").glob("*.md"))

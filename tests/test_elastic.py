@@ -15,7 +15,7 @@ import time
 import pytest
 
 from conftest import REPO, descendants, free_port, tiny_overrides, wait_for_line
-from metrics import MetricsLog
+from mingpt_ddp.metrics import MetricsLog
 
 pytestmark = pytest.mark.slow
 

@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from conftest import REPO, lose_a_node, tiny_overrides, wait_for_line
-from distributed import etcd_v2_problem
+from mingpt_ddp.runtime.etcd_check import etcd_v2_problem
 from etcd_server import EtcdServer
-from snapshot import SnapshotStore
+from mingpt_ddp.snapshots.store import SnapshotStore
 
 pytestmark = pytest.mark.slow
 
@@ -82,7 +82,7 @@ def test_etcd_stopping_mid_job_fails_the_job_clearly_and_loses_no_snapshot(etcd,
 
 
 def check_etcd(endpoint: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "distributed.py"), "check-etcd", endpoint],
+    return subprocess.run([sys.executable, "-m", "mingpt_ddp.runtime.etcd_check", endpoint],
                           capture_output=True, text=True, timeout=60)
 
 

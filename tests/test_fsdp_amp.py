@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import REPO, kill_tree, run_main, tiny_overrides, torchrun_cmd
-from metrics import MetricsLog
-from snapshot import MANIFEST, SnapshotStore
+from mingpt_ddp.metrics import MetricsLog
+from mingpt_ddp.snapshots.store import MANIFEST, SnapshotStore
 
 FSDP = "trainer_config.parallel=fsdp"
 
@@ -73,7 +73,7 @@ def test_ddp_and_fsdp_snapshots_load_into_each_other_and_consolidate_to_one_file
     out = ok(run_main(tiny_overrides(shakespeare, tmp_path, max_steps=40, save_every=10) + [FSDP], nproc=2))
     assert "resume | step 30" in out
     single = tmp_path / "consolidated.pt"
-    conv = subprocess.run([sys.executable, str(REPO / "snapshot.py"), "consolidate", str(tmp_path / "snapshots"),
+    conv = subprocess.run([sys.executable, "-m", "mingpt_ddp.snapshots", "consolidate", str(tmp_path / "snapshots"),
                            str(single)], capture_output=True, text=True, timeout=60)
     assert conv.returncode == 0, conv.stderr
     state = torch.load(single, weights_only=True)

@@ -12,11 +12,18 @@ import pytest
 import torch
 
 from conftest import REPO, kill_tree, run_main, tiny_overrides, wait_for_line
-from lease import LEASE, Lease, LeaseError, holder_is_gone, process_start, this_process
-from metrics import MetricsLog
+from mingpt_ddp.snapshots.lease import (
+    LEASE,
+    Lease,
+    LeaseError,
+    holder_is_gone,
+    process_start,
+    this_process,
+)
+from mingpt_ddp.metrics import MetricsLog
 from s3_server import CREDENTIALS, FlakyS3Proxy
-from snapshot import MANIFEST, SnapshotStore
-from storage import LocalStorage
+from mingpt_ddp.snapshots.store import MANIFEST, SnapshotStore
+from mingpt_ddp.snapshots.storage import LocalStorage
 
 
 def start_job(args: list[str], env: dict | None = None, script=REPO / "main.py") -> subprocess.Popen:

@@ -6,9 +6,10 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from config import ConfigError
+from mingpt_ddp.errors import ConfigError
 from model import GPT, MODEL_SIZES, GPTConfig
-from optim import OptimizerConfig, build_optimizers
+from mingpt_ddp.config.optimizer import OptimizerConfig
+from mingpt_ddp.optim import build_optimizers
 
 
 def tiny(**kw) -> GPT:

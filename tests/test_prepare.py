@@ -10,11 +10,12 @@ import sys
 import pytest
 import torch
 
-import prepare
-import sources
+from mingpt_ddp.corpus import prepare
+from mingpt_ddp.corpus import sources
 from char_dataset import CharDataset, DataConfig, DatasetError, TokenFile
 from conftest import REPO
-from prepare import DatasetError as PrepareError, ensure_prepared, sampled_sha256, verify
+from mingpt_ddp.errors import DatasetError as PrepareError
+from mingpt_ddp.corpus.prepare import ensure_prepared, sampled_sha256, verify
 from s3_server import CREDENTIALS
 
 assert DatasetError is PrepareError  # one error type for "the corpus cannot be used"

@@ -4,8 +4,8 @@ import pytest
 
 from conftest import run_main, tiny_overrides
 from s3_server import CREDENTIALS, CuttableProxy, MotoServer
-from snapshot import SnapshotError, SnapshotStore
-from storage import S3Storage
+from mingpt_ddp.snapshots.store import SnapshotError, SnapshotStore
+from mingpt_ddp.snapshots.storage import S3Storage
 
 
 def keys(s3, bucket: str) -> list[str]:

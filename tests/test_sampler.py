@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from sampler import DataCursor, FeistelPermutation
+from mingpt_ddp.corpus.order import DataCursor, FeistelPermutation
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 97, 1009, 64, 1024, 65536, 2**16 + 1, 1_000_003])
@@ -49,7 +49,7 @@ def test_the_scalar_and_vectorised_paths_agree():
 
 
 def test_the_order_is_the_same_in_another_process():
-    code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); from sampler import FeistelPermutation; "
+    code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); from mingpt_ddp.corpus.order import FeistelPermutation; "
             "torch.set_num_threads(1); print(FeistelPermutation(12345, 99, 5)(torch.arange(0, 12345, 97)).tolist())")
     out = subprocess.run([sys.executable, "-c", code, str(REPO)], capture_output=True, text=True, check=True).stdout
     assert out.strip() == str(FeistelPermutation(12345, 99, 5)(torch.arange(0, 12345, 97)).tolist())

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from snapshot import MANIFEST, SnapshotError, SnapshotStore
+from mingpt_ddp.snapshots.store import MANIFEST, SnapshotError, SnapshotStore
 
 
 def state(step: int) -> dict:

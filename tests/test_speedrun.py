@@ -1,4 +1,4 @@
-"""The speedrun's switches (model.py) and optimizers and schedules (optim.py): each switch trains,
+"""The speedrun's switches (model.py) and optimizers and schedules (mingpt_ddp/optim.py): each switch trains,
 does what it says, and Muon is correct under DDP and resumes exactly."""
 
 import math
@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from conftest import run_main, tiny_overrides, torchrun_cmd, wait_for_line
-from config import ConfigError
-from metrics import MetricsLog
+from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.metrics import MetricsLog
 from model import GPT, GPTConfig, rotate, Rotary
-from optim import Muon, OptimizerConfig, build_optimizers, check_muon_supported, set_learning_rates
-from snapshot import SnapshotStore
+from mingpt_ddp.optim import Muon, build_optimizers, check_muon_supported, set_learning_rates
+from mingpt_ddp.config.optimizer import OptimizerConfig
+from mingpt_ddp.snapshots.store import SnapshotStore
 
 V, T = 13, 16
 

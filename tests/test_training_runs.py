@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import REPO, kill_tree, run_main, tiny_overrides, torchrun_cmd, wait_for_line
-from metrics import MetricsLog
-from snapshot import SnapshotStore
+from mingpt_ddp.metrics import MetricsLog
+from mingpt_ddp.snapshots.store import SnapshotStore
 
 pytestmark = pytest.mark.slow
 

@@ -28,7 +28,7 @@ from model import GPT, GPTConfig  # noqa: E402
 CFG = GPTConfig(n_layer=4, n_head=4, n_embd=128, vocab_size=65, block_size=64)  # the project's default GPT
 
 
-def record_and_all_reduce(log, bucket):  # no annotations: DDP checks them (parallel.py explains)
+def record_and_all_reduce(log, bucket):  # no annotations: DDP checks them (mingpt_ddp/parallel/plan.py explains)
     """Comm hook: note what DDP hands over, then average it over ranks like DDP's default hook."""
     grads = bucket.buffer()  # the bucket's gradients, flattened into one tensor
     names = [log["names"][id(p)] for p in bucket.parameters()]

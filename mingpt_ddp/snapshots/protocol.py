@@ -1,7 +1,7 @@
 """Saving and resuming a Trainer: what a snapshot must agree with, when one is taken, and what happens
 when a save fails or a stop signal comes.
 
-snapshot.py stores snapshots (files, manifest, integrity checks, fallback to an older one); the
+store.py stores snapshots (files, manifest, integrity checks, fallback to an older one); the
 Trainer says what its state is (Trainer.state_dict / load_state_dict: model, optimizers, step, data
 position, every rank's random streams). This module is the protocol between them, on every rank:
 
@@ -18,16 +18,13 @@ from __future__ import annotations
 
 import signal
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from config import to_dict
-from distributed import all_gather_objects, max_over_ranks, print0, warn0
-from lease import LeaseError
-from model import GPTConfig
-from snapshot import SnapshotError, SnapshotMismatch, dcp_writer
-
-if TYPE_CHECKING:
-    from trainer import Trainer
+from mingpt_ddp.config.schema import to_dict
+from mingpt_ddp.runtime.distributed import all_gather_objects, max_over_ranks, print0, warn0
+from mingpt_ddp.snapshots.lease import LeaseError
+from mingpt_ddp.config.model import GPTConfig
+from mingpt_ddp.snapshots.store import SnapshotError, SnapshotMismatch, dcp_writer
 
 # The stop vote's values for a failed save, for saves that keep failing, and for a lost lease;
 # signal numbers (SIGTERM 15, SIGINT 2) are below them.
@@ -39,7 +36,7 @@ LEASE_LOST = 1002
 class Checkpointer:
     """One Trainer's snapshots: resume from the newest, save on schedule, vote on what a failure means."""
 
-    def __init__(self, trainer: Trainer):
+    def __init__(self, trainer: Any):  # the story's Trainer (trainer.py), read and set by attribute
         self.trainer, self.store = trainer, trainer.store
         self.cfg, self.ctx = trainer.cfg, trainer.ctx
         self.failed_saves = 0  # save points in a row whose snapshot could not be written (rank 0 counts)
@@ -109,7 +106,7 @@ class Checkpointer:
         if saved and not self.trainer.zero:
             raise SnapshotMismatch(f"{where} was written by DeepSpeed ZeRO-{saved['zero_stage']}; resume with "
                                    f"trainer_config.parallel=deepspeed deepspeed_config.zero_stage={saved['zero_stage']}, "
-                                   "or export its weights with python snapshot.py consolidate")
+                                   "or export its weights with python -m mingpt_ddp.snapshots consolidate")
         if self.trainer.zero and not saved:
             raise SnapshotMismatch(f"{where} was written by parallel={meta['config']['trainer_config']['parallel']}, "
                                    "which DeepSpeed cannot load; resume with that, or use another trainer_config.run_dir")
@@ -119,7 +116,7 @@ class Checkpointer:
         if self.trainer.zero and meta["world_size"] != self.ctx.world_size:
             raise SnapshotMismatch(f"{where} holds DeepSpeed partitions for {meta['world_size']} ranks, and this job "
                                    f"has {self.ctx.world_size}; resume with {meta['world_size']} ranks (nnodes x "
-                                   "nproc_per_node), or export its weights with python snapshot.py consolidate")
+                                   "nproc_per_node), or export its weights with python -m mingpt_ddp.snapshots consolidate")
 
     def _keep_global_batch(self, global_batch: int) -> None:
         """At a new world size, keep the global batch (and so the meaning of a step and of the

@@ -1,8 +1,8 @@
-"""What a training run does: the trainer's knobs (the optimizers' are in optim.py).
+"""What a training run does: the trainer's knobs (the optimizers' are in mingpt_ddp/optim.py).
 
-The config section `trainer_config` is a typed dataclass whose fields are the keys (config.py
+The config section `trainer_config` is a typed dataclass whose fields are the keys (mingpt_ddp/config/schema.py
 registers it with Hydra, which checks keys and types; __post_init__ checks ranges and resolves
-nothing that depends on the machine: "auto" values are decided at start, in parallel.py).
+nothing that depends on the machine: "auto" values are decided at start, in mingpt_ddp/parallel/plan.py).
 The Trainer in trainer.py is the code it configures.
 """
 
@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Union
 
-from config import ConfigError
+from mingpt_ddp.errors import ConfigError
 
 
 @dataclass
@@ -74,7 +74,7 @@ class TrainerConfig:
     """A periodic save that fails (after a few quick retries) is logged and training goes on; this many
     failed save points in a row fail the job. The final and the preemption save must succeed."""
     lease_ttl_s: float = 60.0
-    """Seconds the snapshot path's lease lasts without renewal (lease.py): a second job on the same path
+    """Seconds the snapshot path's lease lasts without renewal (mingpt_ddp/snapshots/lease.py): a second job on the same path
     is refused while it lasts; a dead holder on another host is taken over after it. 0: no lease."""
     s3_endpoint_url: str = ""
     """Endpoint for s3:// snapshot paths (MinIO, Ceph, R2...); empty: AWS_ENDPOINT_URL or AWS itself."""

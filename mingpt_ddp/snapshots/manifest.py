@@ -5,7 +5,7 @@ file's). This module owns the manifest's three rules:
 
 - **Names.** snapshot_<step>[.g<generation>].pt is one file, .dcp a folder of DCP shards, .zero
   a folder of DeepSpeed's per-rank files; the
-  generation is the lease's (lease.py), so two jobs never write the same name.
+  generation is the lease's (mingpt_ddp/snapshots/lease.py), so two jobs never write the same name.
 - **Untrusted input.** Snapshot paths get shared and downloaded, so every entry is checked
   (entry_problem) before anything it names is read or deleted: only names this project writes
   pass, and a bad entry is reported and skipped. (storage.check_name guards below that.)
@@ -19,9 +19,9 @@ import json
 import re
 from typing import Any, Callable
 
-from distributed import warn0
-from lease import LeaseError
-from storage import Storage
+from mingpt_ddp.runtime.distributed import warn0
+from mingpt_ddp.snapshots.lease import LeaseError
+from mingpt_ddp.snapshots.storage import Storage
 
 MANIFEST = "latest.json"
 SNAPSHOT_RE = re.compile(r"^snapshot_(\d+)(?:\.g(\d+))?\.(pt|dcp|zero)$")

@@ -6,7 +6,7 @@ small objects that must have one writer (the manifest and the lease):
 read_versioned returns an object with its version, write_if replaces it only if
 that version is still current. The same library reads what it wrote for every
 scheme: boto3 for s3://, fsspec for the others, plain files for paths.
-snapshot.py builds manifests, checksums and retention on top of this.
+mingpt_ddp/snapshots/store.py builds manifests, checksums and retention on top of this.
 
 Names may come from a manifest someone else wrote (a shared or downloaded run), so
 every backend refuses a name that could leave the root (check_name).

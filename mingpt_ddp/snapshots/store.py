@@ -7,7 +7,7 @@ only stores and retrieves it, through one small interface:
 
     store = SnapshotStore("runs/x/snapshots", keep_last=3)
     store.check_writable()          # at start-up, before any training step
-    store.acquire(owner, ttl_s)     # one writer per path: a lease, and a generation that fences (lease.py)
+    store.acquire(owner, ttl_s)     # one writer per path: a lease, and a generation that fences (mingpt_ddp/snapshots/lease.py)
     store.save(state, step)         # commit a new snapshot
     with store.open_latest() as snapshot:   # the newest snapshot that passes its checks, or None
         snapshot.meta                       #   1. its metadata (step, config, vocabulary...)
@@ -20,7 +20,7 @@ Layout under the snapshot URL (a directory or URL prefix):
     snapshot_00001500.g2.dcp/ FSDP: every rank's DCP shards + meta.pt; .zero/: DeepSpeed's per-rank files
     latest.json               manifest: the committed snapshots, newest last, with size + sha256,
                               and the generation that last committed
-    lease.json                who writes here now (lease.py)
+    lease.json                who writes here now (mingpt_ddp/snapshots/lease.py)
 
 Never lose work: a snapshot file is written completely (temp file, fsync, rename)
 before the manifest that names it is replaced, and old snapshots are deleted only
@@ -37,7 +37,7 @@ still fails, until too many fail in a row.
 
 The manifest is untrusted input: snapshot directories get shared and downloaded.
 Every entry is checked against the names this module writes before anything is
-read or deleted (manifest.py), and storage.py refuses any name that leaves the
+read or deleted (mingpt_ddp/snapshots/manifest.py), and mingpt_ddp/snapshots/storage.py refuses any name that leaves the
 root, so no manifest can make a run touch a file outside its snapshot path.
 """
 
@@ -56,10 +56,16 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from distributed import print0, warn0
-from lease import Lease, LeaseError
-from manifest import MANIFEST, SNAPSHOT_RE, Manifest, newest_first, snapshot_name  # noqa: F401 - MANIFEST for users
-from storage import open_storage, storage_hint
+from mingpt_ddp.runtime.distributed import print0, warn0
+from mingpt_ddp.snapshots.lease import Lease, LeaseError
+from mingpt_ddp.snapshots.manifest import (
+    MANIFEST,
+    SNAPSHOT_RE,
+    Manifest,
+    newest_first,
+    snapshot_name,
+)  # noqa: F401 - MANIFEST for users
+from mingpt_ddp.snapshots.storage import open_storage, storage_hint
 
 META = "meta.pt"  # in a sharded snapshot: everything but the model and optimizer tensors
 EXTENSIONS = {"sharded": "dcp", "deepspeed": "zero"}  # a multi-file snapshot's kind -> its folder's extension
@@ -153,7 +159,7 @@ class SnapshotStore:
 
     # ------------------------------------------------------------ one writer
     def acquire(self, owner: str, ttl_s: float, clock=time.time, renew: bool = True) -> str:
-        """Take this path's lease for job `owner` (lease.py; LeaseError names the holder if another job has
+        """Take this path's lease for job `owner` (mingpt_ddp/snapshots/lease.py; LeaseError names the holder if another job has
         it), then write its generation into latest.json at once: from then on a job holding an older
         generation cannot commit, even before this one saves anything. Returns how the lease was taken."""
         _, generation, _ = self.manifest.read()
@@ -265,7 +271,7 @@ class SnapshotStore:
         Rank 0 adds meta.pt (step, RNG states, config...) and commits the manifest listing every
         file with its size and sha256: until then the snapshot does not exist.
         """
-        from distributed import all_gather_objects
+        from mingpt_ddp.runtime.distributed import all_gather_objects
 
         name = self._name(step, EXTENSIONS[kind])
         with self._save_failures(f"{kind} snapshot save", step):
@@ -366,7 +372,7 @@ class SnapshotStore:
             stage = tempfile.mkdtemp(prefix=f"{entry['kind']}-load-")
             files = stage  # DCP reads the directory itself
             if entry["kind"] == "deepspeed":
-                from zero import TAG, check_weights_only
+                from mingpt_ddp.parallel.deepspeed import TAG, check_weights_only
 
                 files = os.path.join(stage, TAG)  # DeepSpeed reads <dir>/<tag>/
             try:
@@ -446,7 +452,7 @@ class OpenSnapshot:
         if self.kind == "single":
             return self._tensors
         if self.kind == "deepspeed":  # its fp32 partitions put back together: the weights, no optimizer
-            from zero import consolidated_model
+            from mingpt_ddp.parallel.deepspeed import consolidated_model
 
             return {"model": consolidated_model(self._stage)}
         if into is not None:
@@ -463,20 +469,3 @@ class OpenSnapshot:
     def close(self) -> None:
         if self._stage is not None:
             shutil.rmtree(self._stage, ignore_errors=True)
-
-if __name__ == "__main__":
-    import argparse
-    import sys
-
-    p = argparse.ArgumentParser(description="Snapshot tools.")
-    sub = p.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("consolidate", help="turn the newest (sharded) snapshot into one .pt file")
-    c.add_argument("snapshot", help="snapshot directory or URL (trainer_config.snapshot_path)")
-    c.add_argument("out", help="the single file to write")
-    args = p.parse_args()
-    try:
-        state = SnapshotStore(args.snapshot).consolidate(args.out)
-    except SnapshotError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
-    print(f"wrote {args.out}: step {state['step']}, {len(state['model'])} model tensors")

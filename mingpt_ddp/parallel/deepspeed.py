@@ -19,7 +19,7 @@ Snapshots: the engine's save_checkpoint writes each rank's partition into a loca
 directory, and SnapshotStore.save_sharded stores and commits those files like DCP shards
 (manifest with checksums, atomic commit, keep-last-N, any storage). DeepSpeed's files are
 partitioned by rank, so a snapshot resumes at the world size and ZeRO stage that wrote it;
-`python snapshot.py consolidate` turns one into a single fp32 file (for sample.py, or to
+`python -m mingpt_ddp.snapshots consolidate` turns one into a single fp32 file (for sample.py, or to
 start a run of another shape).
 """
 
@@ -36,29 +36,10 @@ from typing import Any
 
 import torch
 
-from config import ConfigError
+from mingpt_ddp.config.deepspeed import DeepSpeedConfig
+from mingpt_ddp.errors import ConfigError
 
 TAG = "zero"  # DeepSpeed's checkpoint tag: the sub-directory of the staging directory its files go in
-
-
-@dataclass
-class DeepSpeedConfig:
-    """DeepSpeed ZeRO settings (config section `deepspeed_config`; used when trainer_config.parallel=deepspeed).
-    Precision comes from trainer_config.use_amp and amp_dtype, the same switches as for DDP and FSDP."""
-
-    zero_stage: int = 2
-    """1: optimizer state split over ranks; 2: and gradients; 3: and parameters (like FSDP)."""
-    offload_optimizer: bool = False
-    """Keep the optimizer state (and its step) in CPU memory: for GPU jobs short of GPU memory."""
-    offload_params: bool = False
-    """Stage 3 only: keep parameter partitions in CPU memory between uses."""
-
-    def __post_init__(self) -> None:
-        if self.zero_stage not in (1, 2, 3):
-            raise ConfigError(f"deepspeed_config.zero_stage must be 1, 2 or 3, got {self.zero_stage}")
-        if self.offload_params and self.zero_stage != 3:
-            raise ConfigError("deepspeed_config.offload_params=true needs zero_stage=3 (only stage 3 splits "
-                              "the parameters); set offload_params=false or zero_stage=3")
 
 
 def import_deepspeed(device: torch.device):
@@ -108,7 +89,7 @@ class ZeroEngine:
         deepspeed = import_deepspeed(device)
         self.cfg = ds
         t0 = time.perf_counter()
-        # The process group is already up (distributed.py); DeepSpeed uses it. The optimizer's
+        # The process group is already up (mingpt_ddp/runtime/distributed.py); DeepSpeed uses it. The optimizer's
         # param_groups stay the Trainer's: setting group["lr"] each step still sets the schedule.
         # On its first use on a machine DeepSpeed compiles a small shared-memory op (cached after),
         # and every rank prints that it did: its prints are kept out of the job's log.

@@ -21,7 +21,7 @@ refused with the holder's host, process and the time the lease goes stale.
 A lease alone cannot stop a holder that was paused (SIGSTOP, a VM freeze, a long swap storm)
 past its lease and then wakes up believing it still holds it. So every take increments the
 generation, a fencing token that only grows: the new holder writes it into latest.json at
-once, and snapshot.py refuses to commit a manifest from an older generation. The paused job
+once, and mingpt_ddp/snapshots/store.py refuses to commit a manifest from an older generation. The paused job
 can then write nothing that counts, and stops with a fencing error when it next looks.
 """
 
@@ -33,7 +33,7 @@ import socket
 import threading
 import time
 
-from storage import Storage
+from mingpt_ddp.snapshots.storage import Storage
 
 LEASE = "lease.json"
 

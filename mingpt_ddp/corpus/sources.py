@@ -24,12 +24,10 @@ import fsspec
 import fsspec.compression
 import fsspec.utils
 
+from mingpt_ddp.errors import DatasetError
+
 CHUNK_BYTES = 16 << 20  # memory per pass is a few times this, whatever the corpus size
 _GLOB = re.compile(r"[*?\[]")
-
-
-class DatasetError(ValueError):
-    """The corpus cannot be used as configured; the message says what to change."""
 
 
 @dataclass
@@ -96,7 +94,7 @@ def _local_files(spec: str) -> list[SourceFile]:
 
 
 def _s3_files(spec: str, endpoint_url: str) -> list[SourceFile]:
-    from storage import s3_client
+    from mingpt_ddp.snapshots.storage import s3_client
 
     bucket, _, key = spec[len("s3://"):].partition("/")
     client = s3_client(endpoint_url)
@@ -152,7 +150,7 @@ def _fsspec_files(spec: str) -> list[SourceFile]:
 
 def find_sources(spec: str, s3_endpoint_url: str = "") -> list[SourceFile]:
     """The files data_config.path names (a path, an s3:// or fsspec URL, or a glob of them), in name order."""
-    from storage import storage_hint
+    from mingpt_ddp.snapshots.storage import storage_hint
 
     try:
         if spec.startswith("s3://"):

@@ -1,8 +1,9 @@
-"""How a run is configured: one schema, registered with Hydra, and the config groups users switch between.
+"""How a run is configured: one schema, registered with Hydra, with the groups users switch between.
 
-Each section of the config is a dataclass next to the code it configures: DataConfig
-(char_dataset.py), GPTConfig (model.py), OptimizerConfig (optim.py), TrainerConfig
-(train_config.py), DeepSpeedConfig (zero.py). They are the only place a key, its type, its default and its
+Each section of the config is a dataclass in this package (config/): DataConfig (data.py),
+GPTConfig (model.py), OptimizerConfig (optimizer.py), TrainerConfig (trainer.py), DeepSpeedConfig
+(deepspeed.py); they import nothing but the error types, so any part of the project can import its
+section without importing the others. They are the only place a key, its type, its default and its
 meaning are written. This module puts them together as the job's schema and registers
 it with Hydra's ConfigStore; gpt2_train_cfg.yaml composes it through its defaults list.
 Hydra (OmegaConf) then refuses an unknown key or a value of the wrong type, on the
@@ -10,7 +11,7 @@ command line and in YAML alike, with the same message naming the key; ranges and
 combinations are each dataclass's __post_init__'s job (ConfigError).
 
 Config groups (python main.py model=gpt-mini parallel=fsdp recipe=shakespeare-gpu):
-    model     a named size (MODEL_SIZES in model.py)
+    model     a named size (MODEL_SIZES in config/model.py)
     parallel  how the model is spread over the ranks
     recipe    settings that go together for some hardware or goal; may pick a model too
 """
@@ -25,57 +26,17 @@ import inspect
 import textwrap
 from typing import Any
 
+from mingpt_ddp.config.data import DataConfig
+from mingpt_ddp.config.deepspeed import DeepSpeedConfig
+from mingpt_ddp.config.groups import PARALLEL, RECIPES
+from mingpt_ddp.config.model import MODEL_SIZES, GPTConfig
+from mingpt_ddp.config.optimizer import OptimizerConfig
+from mingpt_ddp.config.trainer import TrainerConfig
+from mingpt_ddp.errors import ConfigError
 
-class ConfigError(ValueError):
-    """A user-fixable configuration problem; the message names the setting to change."""
-
-
-PARALLEL = {
-    "ddp": ({"parallel": "ddp", "grad_reduce": "all_reduce"}, "DDP: a full replica per rank, gradients all-reduced"),
-    "fsdp": ({"parallel": "fsdp"}, "FSDP2: every rank holds 1/N of parameters, gradients, optimizer state"),
-    "none": ({"parallel": "none"}, "one process, no wrapping"),
-    "ddp-star": ({"parallel": "ddp", "grad_reduce": "via_rank0"},
-                 "DDP with gradients averaged through rank 0 (a star: the parameter-server pattern)"),
-    **{f"zero{stage}": ({"parallel": "deepspeed"}, f"DeepSpeed ZeRO-{stage}: {what} split over the ranks "
-                        "(pip install -e \".[deepspeed]\")")
-       for stage, what in ((1, "optimizer state"), (2, "optimizer state and gradients"),
-                           (3, "optimizer state, gradients and parameters"))},
-}
-
-RECIPES: dict[str, tuple[dict[str, Any], str]] = {
-    "shakespeare-cpu": ({}, "the default: tiny Shakespeare on CPUs, the gpt-micro model"),
-    "shakespeare-gpu": ({"model": "baby-gpt", "data_config": {"block_size": 256}, "gpt_config": {"dropout": 0.2, "bias": False},
-                         "trainer_config": {"batch_size": 64, "max_steps": 5000, "eval_every": 500, "save_every": 500,
-                                            "use_amp": True, "compile": True, "run_dir": "runs/shakespeare_char_gpu"}},
-                        "nanoGPT's shakespeare_char on a GPU: baby-gpt, context 256, 64 windows per GPU, bf16 + compile"),
-    "nanogpt-cpu": ({"gpt_config": {"bias": False},
-                     "trainer_config": {"batch_size": 12, "eval_every": 50, "eval_iters": 20, "run_dir": "runs/nanogpt_cpu"}},
-                    "nanoGPT's CPU recipe: gpt-micro without biases (nanoGPT's bias=False), context 64, batch 12, "
-                    "2000 steps, lr 1e-3 -> 1e-4"),
-    "fast-cpu": ({"gpt_config": {"bias": False},
-                  "trainer_config": {"batch_size": 24, "max_steps": 700, "eval_every": 50, "eval_iters": 10,
-                                     "run_dir": "runs/fast_cpu"},
-                  "optimizer_config": {"learning_rate": 6e-3, "warmup_steps": 50}},
-                 "to val loss 1.88 fast on 2 CPU cores with AdamW: no biases, batch 24, lr 6e-3, a 700-step cosine"),
-    "speedrun-cpu": ({"gpt_config": {"rotary": True, "qk_norm": True, "bias": False},
-                      "trainer_config": {"batch_size": 24, "max_steps": 300, "eval_every": 25, "eval_iters": 10,
-                                         "run_dir": "runs/speedrun_cpu"},
-                      "optimizer_config": {"optimizer": "muon", "muon_lr": 0.05, "learning_rate": 6e-3,
-                                           "warmup_steps": 50}},
-                     "this project's record to val loss 1.88 on CPUs: fast-cpu + Muon, rotary, QK-norm, a 300-step "
-                     "cosine (benchmarks/time_to_quality.py --ablation)"),
-    "gpt2-gpu": ({"model": "gpt2", "data_config": {"block_size": 1024},
-                  "trainer_config": {"batch_size": 16, "use_amp": True, "compile": True, "run_dir": "runs/gpt2"}},
-                 "GPT-2 small's shape (124M parameters with a GPT-2 vocabulary), context 1024, bf16 + compile"),
-}
 
 def sections() -> dict[str, type]:
     """The config's sections, each a dataclass beside the code it configures."""
-    from char_dataset import DataConfig
-    from model import GPTConfig
-    from optim import OptimizerConfig
-    from train_config import TrainerConfig
-    from zero import DeepSpeedConfig
 
     return {"data_config": DataConfig, "gpt_config": GPTConfig, "optimizer_config": OptimizerConfig,
             "trainer_config": TrainerConfig, "deepspeed_config": DeepSpeedConfig}
@@ -123,7 +84,6 @@ def field_docs(cls: type) -> dict[str, str]:
 
 def help_text() -> str:
     """What `python main.py --help` prints: the groups, every key with its type, default and meaning."""
-    from model import MODEL_SIZES
 
     models = ", ".join(f"{name} ({l}x{h}x{e})" for name, (l, h, e) in MODEL_SIZES.items())
     lines = ["Train a character-level GPT: python main.py [group=option ...] [section.key=value ...]",
@@ -156,7 +116,6 @@ def register() -> None:
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
-    from model import MODEL_SIZES
 
     OmegaConf.register_new_resolver("path_safe", path_safe, replace=True)
     store = ConfigStore.instance()

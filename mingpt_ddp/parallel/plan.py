@@ -8,7 +8,7 @@
   all-gathered, and afterwards freed again; gradients are reduce-scattered, so
   each rank keeps only its shard. Memory per rank falls roughly as 1/N, for more
   communication.
-- DeepSpeed ZeRO (zero.py): optimizer state, then gradients, then parameters split over
+- DeepSpeed ZeRO (mingpt_ddp/parallel/deepspeed.py): optimizer state, then gradients, then parameters split over
   the ranks, by DeepSpeed's engine; the Trainer hands it the model and optimizer.
 - AMP (automatic mixed precision): under DDP or one process, torch.autocast runs each
   op in the precision it assigns (matmuls in bf16 or fp16) while the parameters and the
@@ -32,8 +32,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from config import ConfigError
-from distributed import DistContext
+from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.runtime.distributed import DistContext
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
