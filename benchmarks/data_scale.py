@@ -68,7 +68,7 @@ def make_corpus(path: str, kind: str, size: int, shakespeare: str) -> None:
 
 def prepare(corpus: str, cache: str) -> dict:
     """prepare.py in a fresh process; it reports its own time and peak RSS."""
-    code = ("import json, resource, sys, time; sys.path.insert(0, sys.argv[1]); import prepare; t0 = time.perf_counter(); "
+    code = ("import json, resource, sys, time; sys.path.insert(0, sys.argv[1]); from mingpt_ddp.corpus import prepare; t0 = time.perf_counter(); "
             "p = prepare.ensure_prepared(sys.argv[2], sys.argv[3], log=lambda _: None); "
             "print(json.dumps({'seconds': time.perf_counter() - t0, 'peak_rss_mb': resource.getrusage("
             "resource.RUSAGE_SELF).ru_maxrss / 1024, 'tokens': p.meta['num_tokens'], 'dtype': p.meta['dtype'], "

@@ -1,9 +1,5 @@
-"""The prepare step: a UTF-8 corpus in, a file of token ids out, once, for every rank that trains on it.
-
-    python prepare.py data/tinyshakespeare/input.txt                # ahead of a job (main.py also does it)
-    python prepare.py "books/*.txt" --cache-dir /scratch/prepared   # several files, concatenated in name order
-    python prepare.py "s3://bucket/corpus/part-*.txt"               # S3 (boto3), or any fsspec URL
-    python prepare.py data/prepared/input-0123456789ab --verify     # recompute a prepared copy's full checksum
+"""The prepare step: a UTF-8 corpus in, a file of token ids out, once, for every rank that trains
+on it (the command: prepare.py at the top of the checkout).
 
 Why: holding the text in memory costs every rank ~30 bytes per character (the str,
 its code points, int64 ids), times the ranks on a node. Encoded once into a flat file
