@@ -330,8 +330,9 @@ def stop_sweep_workers() -> None:
     reuse for 5 minutes; left running, they hold this process's stdout open that long, and
     whatever reads it (a pipe, a test) waits for them."""
     loky = sys.modules.get("joblib.externals.loky.reusable_executor")
-    if loky is not None and loky._executor is not None:
-        loky._executor.shutdown(wait=True)
+    executor = getattr(loky, "_executor", None)  # the one executor joblib reuses (loky's module global)
+    if executor is not None:
+        executor.shutdown(wait=True)
         atexit._run_exitfuncs()  # joblib's: remove its shared-memory folder (exit_process skips them)
 
 
