@@ -40,7 +40,6 @@ from omegaconf.errors import OmegaConfBaseException
 from mingpt_ddp.config import schema as config
 from char_dataset import CharDataset, DataConfig, DatasetError
 from mingpt_ddp.errors import ConfigError
-from mingpt_ddp.config.schema import to_dict
 from data.fetch_shakespeare import FetchError, ensure_tinyshakespeare
 from mingpt_ddp.runtime.distributed import (
     DistContext,
@@ -165,7 +164,7 @@ def run(job) -> Outcome:
         writes = ctx.is_main or tcfg.parallel in ("fsdp", "deepspeed")
         on_all_ranks(store.check_writable if writes else lambda: None)
         take_snapshot_path(store, tcfg.lease_ttl_s, ctx)
-        run_config = {name: to_dict(getattr(job, name)) for name in config.sections()}
+        run_config = {name: config.to_dict(getattr(job, name)) for name in config.sections()}
         trainer = Trainer(model, dataset, tcfg, job.optimizer_config, ctx, run_config, store, job.deepspeed_config)
         if ctx.distributed:  # (a sweep's jobs are single processes: nothing to keep between them)
             _KEEP_UNTIL_EXIT.append(trainer)

@@ -8,7 +8,10 @@ rendezvous with a client error that does not say why. This check says it in one 
 
 from __future__ import annotations
 
+import json
 import sys
+import urllib.error
+import urllib.request
 
 
 def etcd_v2_problem(endpoint: str, timeout_s: float = 5.0) -> str:
@@ -16,10 +19,6 @@ def etcd_v2_problem(endpoint: str, timeout_s: float = 5.0) -> str:
     (host:port or a URL), or "" if they can. Both speak etcd's v2 API: etcd 3.4 and 3.5 serve it
     when started with --enable-v2, and etcd 3.6 removed it (the agents would fail at rendezvous
     with a client error that does not say so)."""
-    import json
-    import urllib.error
-    import urllib.request
-
     url = endpoint.rstrip("/") if "://" in endpoint else f"http://{endpoint}"
     try:
         with urllib.request.urlopen(f"{url}/version", timeout=timeout_s) as reply:
