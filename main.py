@@ -135,40 +135,12 @@ class Outcome:
 
 def run(job) -> Outcome:
     """Train one job (a config.job_schema() instance) on this process's rank."""
-    data_cfg, gpt_cfg, tcfg = job.data_config, job.gpt_config, job.trainer_config
-    ctx, store = None, None
+    tcfg, ctx, store = job.trainer_config, None, None
     try:
         ctx = setup_distributed(tcfg.collective_timeout_s, tcfg.device)
-        threads = set_cpu_threads(ctx, tcfg.cpu_threads)
-        allocator = keep_freed_cpu_memory(ctx.device, tcfg.cpu_keep_freed_memory)
-        use_amp, amp_dtype, why = choose_precision(tcfg.use_amp, tcfg.amp_dtype, ctx.device)
-        print0(f"job | world size {ctx.world_size} | backend {torch.distributed.get_backend() if ctx.distributed else 'none'}"
-               f" | device {ctx.device} | {threads} CPU threads per rank | restart {ctx.restart_count} | seed {tcfg.seed}"
-               f" | precision {amp_dtype + ' mixed' if use_amp else 'fp32'} ({why}){' | ' + allocator if allocator else ''}")
-        if ctx.restart_count and ctx.is_main:
-            print0(f"restart | torchrun restarted the workers (TORCHELASTIC_RESTART_COUNT={ctx.restart_count}) | "
-                   f"{previous_attempt_report(ctx) or 'no report from the previous attempt'}")
-        on_all_ranks(lambda: fetch_default_corpus(data_cfg, ctx))
-        # Every rank opens the prepared token file; the first to need it prepares it while the
-        # others on its node (or on a shared cache_dir) wait on a file lock (prepare.py).
-        dataset = on_all_ranks(lambda: CharDataset(data_cfg, tcfg.s3_endpoint_url, log=print0))
-        print0(f"data | {data_cfg.path} | {dataset.num_tokens:,} characters | vocabulary {dataset.vocab_size} | "
-               f"{len(dataset.train):,} train / {len(dataset.val):,} val windows of {data_cfg.block_size} | "
-               f"{dataset.prepared.meta['dtype']} ids in {dataset.prepared.directory}")
-        gpt_cfg.vocab_size, gpt_cfg.block_size = dataset.vocab_size, data_cfg.block_size
-        torch.manual_seed(tcfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
-        model = GPT(gpt_cfg)
+        announce_job(ctx, tcfg)
         store = SnapshotStore(tcfg.snapshot_url, tcfg.keep_last, tcfg.s3_endpoint_url)
-        # Probe the destination now, not at the first save an hour in: rank 0 writes single-file
-        # snapshots; under FSDP and DeepSpeed every rank writes its own shards, so every rank probes.
-        writes = ctx.is_main or tcfg.parallel in ("fsdp", "deepspeed")
-        on_all_ranks(store.check_writable if writes else lambda: None)
-        take_snapshot_path(store, tcfg.lease_ttl_s, ctx)
-        run_config = {name: config.to_dict(getattr(job, name)) for name in config.sections()}
-        trainer = Trainer(model, dataset, tcfg, job.optimizer_config, ctx, run_config, store, job.deepspeed_config)
-        if ctx.distributed:  # (a sweep's jobs are single processes: nothing to keep between them)
-            _KEEP_UNTIL_EXIT.append(trainer)
-        on_all_ranks(trainer.checkpointer.resume)
+        trainer = build_trainer(job, ctx, store)
         finished = trainer.train()
         # Leave together: a rank exiting while rank 0 still writes its last snapshot
         # has been seen to abort the gloo teardown ("terminate called without an active exception").
@@ -188,6 +160,53 @@ def run(job) -> Outcome:
         if store is not None:
             store.release()  # the next run on this path need not wait for the lease to go stale
         teardown_distributed()
+
+
+def build_trainer(job, ctx: DistContext, store: SnapshotStore) -> Trainer:
+    """Data, model and Trainer, the snapshot path checked and taken, and the newest snapshot loaded."""
+    data_cfg, gpt_cfg, tcfg = job.data_config, job.gpt_config, job.trainer_config
+    on_all_ranks(lambda: fetch_default_corpus(data_cfg, ctx))
+    dataset = load_dataset(data_cfg, tcfg)
+    gpt_cfg.vocab_size, gpt_cfg.block_size = dataset.vocab_size, data_cfg.block_size
+    torch.manual_seed(tcfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
+    run_config = {name: config.to_dict(getattr(job, name)) for name in config.sections()}
+    trainer = Trainer(GPT(gpt_cfg), dataset, tcfg, job.optimizer_config, ctx, run_config, store,
+                      job.deepspeed_config)
+    if ctx.distributed:  # (a sweep's jobs are single processes: nothing to keep between them)
+        _KEEP_UNTIL_EXIT.append(trainer)
+    # Probe the destination now, not at the first save an hour in: rank 0 writes single-file
+    # snapshots; where every rank writes its own files (a layout), every rank probes.
+    writes = ctx.is_main or trainer.layout is not None
+    on_all_ranks(store.check_writable if writes else lambda: None)
+    take_snapshot_path(store, tcfg.lease_ttl_s, ctx)
+    on_all_ranks(trainer.checkpointer.resume)
+    return trainer
+
+
+def announce_job(ctx: DistContext, tcfg) -> None:
+    """The job line (who, where, how many threads, which precision and why) and, after a restart,
+    what the previous attempt left."""
+    threads = set_cpu_threads(ctx, tcfg.cpu_threads)
+    allocator = keep_freed_cpu_memory(ctx.device, tcfg.cpu_keep_freed_memory)
+    use_amp, amp_dtype, why = choose_precision(tcfg.use_amp, tcfg.amp_dtype, ctx.device)
+    backend = torch.distributed.get_backend() if ctx.distributed else "none"
+    print0(f"job | world size {ctx.world_size} | backend {backend} | device {ctx.device} | "
+           f"{threads} CPU threads per rank | restart {ctx.restart_count} | seed {tcfg.seed} | "
+           f"precision {amp_dtype + ' mixed' if use_amp else 'fp32'} ({why})"
+           f"{' | ' + allocator if allocator else ''}")
+    if ctx.restart_count and ctx.is_main:
+        print0(f"restart | torchrun restarted the workers (TORCHELASTIC_RESTART_COUNT={ctx.restart_count}) "
+               f"| {previous_attempt_report(ctx) or 'no report from the previous attempt'}")
+
+
+def load_dataset(data_cfg: DataConfig, tcfg) -> CharDataset:
+    """Every rank opens the prepared token file; the first to need it prepares it while the others
+    on its node (or on a shared cache_dir) wait on a file lock (mingpt_ddp/corpus/prepare.py)."""
+    dataset = on_all_ranks(lambda: CharDataset(data_cfg, tcfg.s3_endpoint_url, log=print0))
+    print0(f"data | {data_cfg.path} | {dataset.num_tokens:,} characters | vocabulary {dataset.vocab_size} "
+           f"| {len(dataset.train):,} train / {len(dataset.val):,} val windows of {data_cfg.block_size} "
+           f"| {dataset.prepared.meta['dtype']} ids in {dataset.prepared.directory}")
+    return dataset
 
 
 def to_job(cfg: DictConfig) -> Any:

@@ -34,8 +34,9 @@ def load_model(snapshot: str, device: str) -> tuple[GPT, CharTokenizer, int]:
             if opened is None:
                 raise SnapshotError(f"no snapshot under {snapshot!r}; train first or pass --snapshot <dir, URL or .pt>")
             model = _model_for(opened.meta)
-            # A sharded snapshot is loaded straight into this model's tensors (no optimizer needed).
-            state = {**opened.meta, **opened.tensors(into={"model": get_model_state_dict(model)} if opened.sharded else None)}
+            # DCP shards load straight into this model's tensors (no optimizer needed).
+            into = {"model": get_model_state_dict(model)} if opened.reshardable else None
+            state = {**opened.meta, **opened.tensors(into=into)}
     set_model_state_dict(model, state["model"])
     return model.to(device).eval(), CharTokenizer(state["vocab"]), state["step"]
 

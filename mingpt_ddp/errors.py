@@ -8,3 +8,11 @@ class ConfigError(ValueError):
 
 class DatasetError(ValueError):
     """The corpus cannot be used as configured; the message says what to change."""
+
+
+class SnapshotError(RuntimeError):
+    """Snapshot storage is unusable or a snapshot cannot be used; the message names the fix."""
+
+
+class SnapshotMismatch(SnapshotError):
+    """The snapshot is intact but belongs to another model or corpus: an error, not a fallback."""

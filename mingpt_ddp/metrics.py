@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
+import time
 from typing import Callable
+
+import torch
 
 
 def format_duration(seconds: float) -> str:
@@ -109,3 +113,36 @@ class ProgressLine:
         if self.enabled:
             sys.stdout.write("\r\033[K")
             sys.stdout.flush()
+
+
+class LogWindow:
+    """The steps since the last log line: where they began, when, and their summed loss (on the
+    device, so that no step waits for it). Ranks without a loss (a pipeline's earlier stages)
+    add None and are left out of the mean."""
+
+    def __init__(self, step: int, device: torch.device):
+        self.start_step, self.device = step, device
+        self.reset(step)
+
+    def reset(self, step: int) -> None:
+        self.step, self.time = step, time.perf_counter()
+        self.totals = torch.zeros(2, device=self.device)  # (summed loss, how many)
+
+    def add(self, loss: torch.Tensor | None) -> None:
+        if loss is not None:
+            self.totals[0] += loss
+            self.totals[1] += 1
+
+    def mean_loss(self, control) -> float:
+        """The mean over the window and over every rank that computed a loss (a collective)."""
+        loss_sum, count = control.sum(self.totals.clone()).tolist()
+        return loss_sum / max(count, 1)
+
+
+def peak_memory(device: torch.device, control) -> str:
+    """The most memory any rank has held: its process's peak resident size (and on GPUs, the peak
+    of tensors on its GPU). Collective: every rank reports, the largest is printed."""
+    host_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    gpu_mb = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
+    host_mb, gpu_mb = (max(values) for values in zip(*control.gather((host_mb, gpu_mb))))
+    return f"{host_mb:.0f} MiB host" + (f", {gpu_mb:.0f} MiB GPU" if gpu_mb else "") + " (largest rank)"

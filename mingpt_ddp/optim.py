@@ -103,8 +103,9 @@ def build_optimizers(model: nn.Module, cfg: OptimizerConfig, device_type: str) -
 
 
 def check_muon_supported(cfg: OptimizerConfig, parallel: str) -> None:
-    """Muon orthogonalises whole matrices: refuse it where a rank holds only part of one."""
-    if cfg.optimizer == "muon" and parallel in ("fsdp", "deepspeed"):
+    """Muon orthogonalises whole matrices: the modes that split them over the ranks (FSDP,
+    DeepSpeed ZeRO) refuse it through this check, naming themselves."""
+    if cfg.optimizer == "muon":
         raise ConfigError(f"optimizer_config.optimizer=muon needs each weight matrix whole on every rank (Newton-Schulz "
                           f"works on the full matrix), and parallel={parallel} splits them; use parallel=ddp, or "
                           "optimizer_config.optimizer=adamw")

@@ -19,14 +19,17 @@ from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.runtime.distributed import DistContext, backend_for, choose_device
 from model import GPT, GPTConfig
 from mingpt_ddp.config.optimizer import OptimizerConfig
+from mingpt_ddp.config.deepspeed import DeepSpeedConfig
+from mingpt_ddp.parallel.fsdp import FSDPStrategy
 from mingpt_ddp.parallel.plan import (
     Plan,
     autocast_attention_fp32,
     bf16_native,
-    check_supported,
     choose_precision,
     set_tf32,
 )
+from mingpt_ddp.parallel.strategy import StrategyArgs
+from mingpt_ddp.runtime.distributed import ControlPlane
 from mingpt_ddp.snapshots.store import SnapshotStore
 from mingpt_ddp.config.trainer import TrainerConfig
 from trainer import Trainer
@@ -66,12 +69,16 @@ def test_gpu_jobs_get_gloo_beside_nccl_for_cpu_tensors():
     assert backend_for(torch.device("cpu")) == "gloo"
 
 
+def strategy_args(plan: Plan, device: str) -> StrategyArgs:
+    ctx = DistContext(rank=0, local_rank=0, world_size=2, device=torch.device(device))
+    return StrategyArgs(plan, ctx, OptimizerConfig(), 4, 1, ControlPlane(), DeepSpeedConfig())
+
+
 def test_fsdp_cpu_offload_is_for_gpu_jobs_and_refused_on_the_cpu():
-    cpu = DistContext(rank=0, local_rank=0, world_size=2, device=torch.device("cpu"))
     with pytest.raises(ConfigError, match="fsdp_cpu_offload=true .* needs parallel=fsdp on GPUs"):
-        check_supported(Plan(parallel="fsdp", cpu_offload=True), cpu)
-    gpu = DistContext(rank=0, local_rank=0, world_size=2, device=torch.device("cuda", 0))
-    check_supported(Plan(parallel="fsdp", use_amp=True, amp_dtype="fp16", cpu_offload=True), gpu)  # fp16 too
+        FSDPStrategy.check(strategy_args(Plan(parallel="fsdp", cpu_offload=True), "cpu"))
+    fp16 = Plan(parallel="fsdp", use_amp=True, amp_dtype="fp16", cpu_offload=True)
+    FSDPStrategy.check(strategy_args(fp16, "cuda"))  # fp16 too
 
 
 def test_tf32_is_a_gpu_setting_that_leaves_cpu_matmuls_alone():
@@ -105,19 +112,19 @@ def tiny_trainer(tmp_path, shakespeare, **trainer) -> Trainer:
 
 def test_fp16_on_cpu_scales_the_loss_and_an_overflow_skips_the_step_and_halves_the_scale(shakespeare, tmp_path):
     trainer = tiny_trainer(tmp_path, shakespeare, use_amp=True, amp_dtype="fp16", parallel="none")
-    assert trainer.scaler.is_enabled() and trainer.scaler.get_scale() == 2.0**16
+    assert trainer.strategy.scaler.is_enabled() and trainer.strategy.scaler.get_scale() == 2.0**16
     trainer.train_step()  # a normal step: the weights move
-    trainer.scaler.update(2.0**40)  # a loss scale no fp16 gradient survives: inf in backward
-    before = {k: v.clone() for k, v in trainer.raw_model.state_dict().items()}
+    trainer.strategy.scaler.update(2.0**40)  # a loss scale no fp16 gradient survives: inf in backward
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     trainer.train_step()
-    after = {k: v.clone() for k, v in trainer.raw_model.state_dict().items()}
+    after = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     assert all(torch.equal(before[k], after[k]) for k in before)  # the overflowing step was skipped...
-    assert trainer.scaler.get_scale() == 2.0**39  # ...and the scale halved
-    assert not math.isfinite(float(trainer.grad_norm))  # the norm is measured on the (overflowed) gradients
-    trainer.scaler.update(2.0**8)  # (2^39 would keep overflowing for ~24 more halvings)
+    assert trainer.strategy.scaler.get_scale() == 2.0**39  # ...and the scale halved
+    assert not math.isfinite(trainer.strategy.grad_norm())  # the norm is measured on the (overflowed) gradients
+    trainer.strategy.scaler.update(2.0**8)  # (2^39 would keep overflowing for ~24 more halvings)
     trainer.train_step()  # at a scale fp16 can hold, the step goes through
-    assert any(not torch.equal(after[k], v) for k, v in trainer.raw_model.state_dict().items())
-    assert math.isfinite(float(trainer.grad_norm))
+    assert any(not torch.equal(after[k], v) for k, v in trainer.model.state_dict().items())
+    assert math.isfinite(trainer.strategy.grad_norm())
 
 
 def test_gradients_are_unscaled_before_clipping(shakespeare, tmp_path):
@@ -126,7 +133,7 @@ def test_gradients_are_unscaled_before_clipping(shakespeare, tmp_path):
     fp32.train_step()
     fp16.train_step()
     # The reported norm is the true gradient's, not 65536 times it: clipping saw the unscaled gradients.
-    assert float(fp16.grad_norm) == pytest.approx(float(fp32.grad_norm), rel=0.05)
+    assert fp16.strategy.grad_norm() == pytest.approx(fp32.strategy.grad_norm(), rel=0.05)
 
 
 @pytest.mark.parametrize("flags, native", [({"avx512f", "avx2"}, False), ({"avx512f", "avx512_bf16"}, True),
@@ -173,9 +180,9 @@ def test_attention_precision_under_bf16_autocast_is_decided_by_timing_both():
     fp32, words = autocast_attention_fp32(Plan(use_amp=True, amp_dtype="bf16"), torch.device("cpu"), shape)
     bf16_ms, fp32_ms = (float(x) for x in re.findall(r"([\d.]+) ms", words))
     assert fp32 == (fp32_ms < bf16_ms) and words.startswith(f"attention {'fp32' if fp32 else 'bf16'}")
-    # Nothing to decide without bf16 autocast, or where the wrapper casts the parameters itself.
-    for plan in (Plan(use_amp=False), Plan(use_amp=True, amp_dtype="fp16"), Plan(parallel="fsdp", use_amp=True),
-                 Plan(parallel="deepspeed", use_amp=True)):
+    # Nothing to decide without bf16 autocast (FSDP and DeepSpeed cast the parameters themselves,
+    # and never ask: FSDPStrategy.autocasts).
+    for plan in (Plan(use_amp=False), Plan(use_amp=True, amp_dtype="fp16")):
         assert autocast_attention_fp32(plan, torch.device("cpu"), shape) == (False, "")
 
 

@@ -11,16 +11,16 @@ Zero Redundancy Optimizer, removes that redundancy in stages:
              what FSDP (parallel=fsdp) does inside PyTorch
 
 Optimizer state per rank shrinks as 1/N from stage 1 on (tests/test_deepspeed.py measures it).
-DeepSpeed's engine does what the Trainer does by hand for DDP: the backward pass (scaled for
+DeepSpeed's engine does what single.py's step does by hand: the backward pass (scaled for
 gradient accumulation), gradient reduction, clipping and the optimizer step. Everything else
-(data cursor, schedule, evaluation, metrics, signals, snapshots) is the Trainer's, unchanged.
+(data order, schedule, evaluation cadence, metrics, signals, snapshots) is the Trainer's.
 
 Snapshots: the engine's save_checkpoint writes each rank's partition into a local staging
-directory, and SnapshotStore.save_sharded stores and commits those files like DCP shards
-(manifest with checksums, atomic commit, keep-last-N, any storage). DeepSpeed's files are
-partitioned by rank, so a snapshot resumes at the world size and ZeRO stage that wrote it;
-`python -m mingpt_ddp.snapshots consolidate` turns one into a single fp32 file (for sample.py, or to
-start a run of another shape).
+directory, and SnapshotStore.save_files stores and commits those files like DCP shards
+(manifest with checksums, atomic commit, keep-last-N, any storage), by the rules of
+DEEPSPEED_FILES. DeepSpeed's files are partitioned by rank, so a snapshot resumes at the world
+size and ZeRO stage that wrote it; `python -m mingpt_ddp.snapshots consolidate` turns one into a
+single fp32 file (for sample.py, or to start a run of another shape).
 """
 
 from __future__ import annotations
@@ -29,15 +29,22 @@ import contextlib
 import io
 import logging
 import os
+import re
 import time
 import warnings
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
+import torch.nn as nn
 
 from mingpt_ddp.config.deepspeed import DeepSpeedConfig
-from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.errors import ConfigError, SnapshotMismatch
+from mingpt_ddp.optim import build_optimizers, check_muon_supported, state_tensors
+from mingpt_ddp.parallel.plan import local_bytes
+from mingpt_ddp.parallel.single import check_no_foreign_options
+from mingpt_ddp.parallel.strategy import Batch, Strategy, StrategyArgs
+from mingpt_ddp.runtime.distributed import print0
+from mingpt_ddp.snapshots.layout import FileLayout
 
 TAG = "zero"  # DeepSpeed's checkpoint tag: the sub-directory of the staging directory its files go in
 
@@ -81,49 +88,6 @@ def engine_config(ds: DeepSpeedConfig, batch_size: int, accum_steps: int, world_
     }
 
 
-class ZeroEngine:
-    """The DeepSpeed engine and the few things the Trainer asks of it."""
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds: DeepSpeedConfig,
-                 config: dict[str, Any], device: torch.device):
-        deepspeed = import_deepspeed(device)
-        self.cfg = ds
-        t0 = time.perf_counter()
-        # The process group is already up (mingpt_ddp/runtime/distributed.py); DeepSpeed uses it. The optimizer's
-        # param_groups stay the Trainer's: setting group["lr"] each step still sets the schedule.
-        # On its first use on a machine DeepSpeed compiles a small shared-memory op (cached after),
-        # and every rank prints that it did: its prints are kept out of the job's log.
-        with contextlib.redirect_stdout(io.StringIO()):
-            self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
-                                                                     dist_init_required=False)
-        self.startup_seconds = time.perf_counter() - t0
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """One micro-step's backward. The engine divides the loss by the accumulation steps and
-        counts micro-steps: its step() reduces gradients, clips and updates only on the last."""
-        self.engine.backward(loss)
-        self.engine.step()
-
-    def grad_norm(self) -> torch.Tensor:
-        """The global gradient norm of the last update (before clipping)."""
-        norm = self.engine.get_global_grad_norm()
-        return torch.as_tensor(0.0 if norm is None else float(norm))
-
-    def save(self, stage: str) -> str:
-        """Collective: every rank writes its partition's files into stage/TAG/ (its own local
-        directory), which it returns: SnapshotStore.save_sharded's writer."""
-        os.makedirs(os.path.join(stage, TAG), exist_ok=True)
-        self.engine.save_checkpoint(stage, tag=TAG, save_latest=False)
-        return os.path.join(stage, TAG)
-
-    def load(self, stage: str) -> None:
-        """Collective: every rank loads its partition from stage/TAG/ (all the snapshot's files, checked
-        against the manifest and by check_weights_only when SnapshotStore staged them)."""
-        path, _ = self.engine.load_checkpoint(stage, tag=TAG, load_lr_scheduler_states=False)
-        if path is None:
-            raise RuntimeError(f"DeepSpeed could not load the snapshot staged in {stage}")
-
-
 def safe_globals() -> list:
     """The classes DeepSpeed pickles into its checkpoint files besides tensors and builtins."""
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
@@ -155,3 +119,124 @@ def consolidated_model(stage: str) -> dict[str, torch.Tensor]:
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # its progress lines
         state = get_fp32_state_dict_from_zero_checkpoint(stage, tag=TAG)
     return {k: v.contiguous() for k, v in state.items()}
+
+
+def _full_tensors(stage: str) -> dict:
+    return {"model": consolidated_model(stage)}  # the weights; the optimizer stays partitioned
+
+
+def _refusal(meta: dict) -> str:
+    stage = meta["deepspeed"]["zero_stage"]
+    return (f"was written by DeepSpeed ZeRO-{stage}; resume with trainer_config.parallel=deepspeed "
+            f"deepspeed_config.zero_stage={stage}, or export its weights with python -m "
+            "mingpt_ddp.snapshots consolidate")
+
+
+DEEPSPEED_FILES = FileLayout(
+    kind="deepspeed", extension="zero", subdir=TAG, check=check_weights_only,
+    file_names=re.compile(r"^(mp_rank_\d\d_model_states\.pt|"
+                          r"(bf16_)?zero_pp_rank_\d+_mp_rank_\d\d_(optim|model)_states\.pt)$"),
+    full_tensors=_full_tensors, refusal=_refusal)
+
+
+class DeepSpeedStrategy(Strategy):
+    """DeepSpeed's engine as a parallel mode: it wraps the model and owns the whole step."""
+
+    layout = DEEPSPEED_FILES
+    amp_words = "{dtype} parameters, fp32 master weights (DeepSpeed)"
+
+    def __init__(self, model: nn.Module, args: StrategyArgs):
+        super().__init__(model, args)
+        self.cfg = ds = args.deepspeed
+        self.check(args)
+        self.optimizers = build_optimizers(model, args.optim, self.device.type)  # [AdamW]
+        deepspeed = import_deepspeed(self.device)
+        amp = self.plan.amp_dtype if self.plan.use_amp else None
+        config = engine_config(ds, args.batch_size, args.accum_steps, self.ctx.world_size,
+                               args.optim.grad_clip, amp)
+        t0 = time.perf_counter()
+        # The process group is already up (runtime/distributed.py); DeepSpeed uses it. The
+        # optimizer's param_groups stay ours: setting group["lr"] each step still sets the schedule.
+        # On its first use on a machine DeepSpeed compiles a small shared-memory op (cached after),
+        # and every rank prints that it did: its prints are kept out of the job's log.
+        with contextlib.redirect_stdout(io.StringIO()):
+            self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizers[0],
+                                                        config=config, dist_init_required=False)
+        print0(f"deepspeed | ZeRO-{ds.zero_stage} engine ready in {time.perf_counter() - t0:.1f} s")
+        # Every rank must run every forward when each holds only part of the parameters.
+        self.forward_on_all_ranks = ds.zero_stage == 3
+
+    @classmethod
+    def check(cls, args: StrategyArgs) -> None:
+        check_no_foreign_options(args.plan, args.ctx.device)
+        check_muon_supported(args.optim, "deepspeed")
+        if not args.ctx.distributed:
+            raise ConfigError("trainer_config.parallel=deepspeed needs a process group: launch with torchrun "
+                              "or the deepspeed launcher (--nproc_per_node=1 for one process)")
+        if args.plan.compile:
+            raise ConfigError("trainer_config.compile=true is not tried with parallel=deepspeed here; "
+                              "set compile=false")
+        if args.plan.use_amp and args.plan.amp_dtype == "fp16" and args.ctx.device.type != "cuda":
+            raise ConfigError("DeepSpeed's fp16 (with its loss scaler) is for GPUs; on CPUs use "
+                              "trainer_config.amp_dtype=bf16")
+
+    def train_step(self, batches: Iterator[Batch], n_micro: int) -> tuple[torch.Tensor, bool]:
+        """The engine divides each micro-step's loss by the accumulation steps and counts them: its
+        step() reduces gradients, clips and updates only after the last."""
+        loss_sum = torch.zeros((), device=self.device)
+        for x, y in batches:
+            _, loss = self.engine(x, y)  # the engine casts to bf16/fp16 itself: no autocast
+            self.engine.backward(loss)
+            self.engine.step()
+            loss_sum += loss.detach()
+        return loss_sum / n_micro, True
+
+    def grad_norm(self) -> float:
+        """The global gradient norm of the last update (before clipping)."""
+        norm = self.engine.get_global_grad_norm()
+        return 0.0 if norm is None else float(norm)
+
+    def describe(self) -> tuple[str, str]:
+        ds = self.cfg
+        mode = f"deepspeed ZeRO-{ds.zero_stage}" + \
+            (" + optimizer offload" if ds.offload_optimizer else "") + \
+            (" + parameter offload" if ds.offload_params else "")
+        return mode, self.precision()
+
+    def optimizer_state_bytes(self) -> int:
+        return local_bytes(state_tensors([self.engine.optimizer.optimizer]))  # ZeRO's wraps torch's
+
+    def snapshot_meta(self) -> dict:
+        return {**super().snapshot_meta(), "deepspeed": {"zero_stage": self.cfg.zero_stage}}
+
+    def check_snapshot(self, snapshot, where: str) -> None:
+        """DeepSpeed's files are its engine's, partitioned per rank: they resume with DeepSpeed, at
+        the same ZeRO stage and world size; other modes' snapshots do not load into the engine."""
+        meta, stage = snapshot.meta, self.cfg.zero_stage
+        if snapshot.layout is not DEEPSPEED_FILES:
+            parallel = meta["config"]["trainer_config"]["parallel"]
+            raise SnapshotMismatch(f"{where} was written by parallel={parallel}, which DeepSpeed cannot "
+                                   "load; resume with that, or use another trainer_config.run_dir")
+        if meta["deepspeed"]["zero_stage"] != stage:
+            saved = meta["deepspeed"]["zero_stage"]
+            raise SnapshotMismatch(f"{where} was written by DeepSpeed ZeRO-{saved}; resume with "
+                                   f"deepspeed_config.zero_stage={saved}")
+        if meta["world_size"] != self.ctx.world_size:
+            raise SnapshotMismatch(
+                f"{where} holds DeepSpeed partitions for {meta['world_size']} ranks, and this job has "
+                f"{self.ctx.world_size}; resume with {meta['world_size']} ranks (nnodes x nproc_per_node), "
+                "or export its weights with python -m mingpt_ddp.snapshots consolidate")
+
+    def read_tensors(self, snapshot) -> dict:
+        """Collective: every rank loads its partition from the staged files (all the snapshot's files,
+        checked against the manifest and by check_weights_only when the store staged them)."""
+        path, _ = self.engine.load_checkpoint(snapshot.directory, tag=TAG, load_lr_scheduler_states=False)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load the snapshot staged in {snapshot.directory}")
+        return {}  # the engine holds them now
+
+    def write_files(self, stage: str) -> str:
+        """Collective: every rank writes its partition's files into stage/TAG/, which it returns."""
+        os.makedirs(os.path.join(stage, TAG), exist_ok=True)
+        self.engine.save_checkpoint(stage, tag=TAG, save_latest=False)
+        return os.path.join(stage, TAG)

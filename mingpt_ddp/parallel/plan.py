@@ -1,39 +1,17 @@
-"""How the model is spread over the ranks (DDP or FSDP) and in which precision it computes (AMP).
+"""The run's parallelism and precision settings (Plan), and the precision facts of this device.
 
-- DDP (DistributedDataParallel): every rank holds the whole model, gradients are
-  all-reduced during backward. Memory per rank: all parameters, gradients and
-  optimizer state.
-- FSDP (FSDP2, `fully_shard`): every rank holds 1/N of each parameter, gradient
-  and optimizer state. Before a block runs forward or backward its parameters are
-  all-gathered, and afterwards freed again; gradients are reduce-scattered, so
-  each rank keeps only its shard. Memory per rank falls roughly as 1/N, for more
-  communication.
-- DeepSpeed ZeRO (mingpt_ddp/parallel/deepspeed.py): optimizer state, then gradients, then parameters split over
-  the ranks, by DeepSpeed's engine; the Trainer hands it the model and optimizer.
-- AMP (automatic mixed precision): under DDP or one process, torch.autocast runs each
-  op in the precision it assigns (matmuls in bf16 or fp16) while the parameters and the
-  optimizer state stay fp32; under FSDP, a MixedPrecisionPolicy runs whole blocks in
-  bf16/fp16 over fp32 shards. fp16 has a narrow range, so its loss is scaled up before
-  backward and the gradients unscaled before clipping and the optimizer step
-  (GradScaler); bf16 has fp32's range and needs no scaler.
-
-Every function here takes one Plan: the parallelism and precision settings of the run.
-Wrapping lives here, not in model.py: the model stays a plain nn.Module.
+The modes themselves are one module each (single.py, ddp.py, fsdp.py, deepspeed.py; their
+contract is strategy.py). What they share is decided here: whether mixed precision pays on this
+device ("auto"), whether it multiplies bf16 in hardware, TF32 on NVIDIA GPUs, the GradScaler fp16
+needs (bf16 has fp32's range and needs none), and how many bytes a rank holds of a set of tensors.
 """
 
 from __future__ import annotations
 
 import time
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-
-from mingpt_ddp.errors import ConfigError
-from mingpt_ddp.runtime.distributed import DistContext
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -76,110 +54,6 @@ def choose_precision(use_amp: bool | str, amp_dtype: str, device: torch.device,
     if dtype == "bf16" and native:
         return True, dtype, f"auto: {evidence}"
     return False, dtype, f"auto: {evidence}, so {dtype} would be emulated, slower than fp32"
-
-
-def check_supported(plan: Plan, ctx: DistContext) -> None:
-    """Refuse combinations this project does not run, with the setting to change. (Its own rules:
-    FSDP here wants a process group; fp16 and bf16 both run on CPU and GPU.)"""
-    parallel, grad_reduce, cpu_offload = plan.parallel, plan.grad_reduce, plan.cpu_offload
-    if parallel == "none" and ctx.world_size > 1:
-        raise ConfigError("trainer_config.parallel=none with several ranks would train diverging copies; "
-                          "use ddp or fsdp")
-    if parallel == "fsdp" and not ctx.distributed:
-        raise ConfigError("trainer_config.parallel=fsdp needs a process group: launch with torchrun "
-                          "(--nproc_per_node=1 for one process) or use parallel=ddp")
-    if cpu_offload and (parallel != "fsdp" or ctx.device.type != "cuda"):
-        raise ConfigError("trainer_config.fsdp_cpu_offload=true keeps FSDP's shards in CPU memory instead of GPU "
-                          "memory: it needs parallel=fsdp on GPUs; set fsdp_cpu_offload=false")
-    if grad_reduce == "via_rank0" and parallel != "ddp":
-        raise ConfigError("trainer_config.grad_reduce=via_rank0 is a DDP communication hook; use parallel=ddp")
-    if parallel == "deepspeed":
-        if not ctx.distributed:
-            raise ConfigError("trainer_config.parallel=deepspeed needs a process group: launch with torchrun or the "
-                              "deepspeed launcher (--nproc_per_node=1 for one process)")
-        if plan.compile:
-            raise ConfigError("trainer_config.compile=true is not tried with parallel=deepspeed here; set compile=false")
-        if plan.use_amp and plan.amp_dtype == "fp16" and ctx.device.type != "cuda":
-            raise ConfigError("DeepSpeed's fp16 (with its loss scaler) is for GPUs; on CPUs use "
-                              "trainer_config.amp_dtype=bf16")
-
-
-# No type annotations on the hook: DDP checks them, and `from __future__ import annotations`
-# would turn them into strings. process_group: dist.ProcessGroup | None; bucket: dist.GradBucket.
-def reduce_through_rank0(process_group, bucket):
-    """A DDP communication hook that averages gradients through rank 0: a star all-reduce (the parameter-server pattern).
-
-    Every rank sends its gradient bucket to rank 0; rank 0 adds them up, divides, and
-    sends the mean back to each rank, one message at a time, while backward waits.
-    Rank 0's link carries (N-1) x the gradients in and (N-1) x out, where DDP's ring
-    all-reduce moves 2(N-1)/N x through every link and overlaps with backward: the
-    teaching baseline that shows why DDP does what it does (benchmarks/bench.py).
-    Plain send/recv, not dist.reduce/broadcast, whose backends use rings and trees.
-    """
-    if process_group is not None:
-        raise ValueError("reduce_through_rank0 works on the default process group only")
-    grads = bucket.buffer()  # this bucket's gradients, flattened into one tensor
-    world = dist.get_world_size()
-    if dist.get_rank() == 0:
-        incoming = torch.empty_like(grads)
-        for src in range(1, world):
-            dist.recv(incoming, src=src)
-            grads += incoming
-        grads /= world
-        for dst in range(1, world):
-            dist.send(grads, dst=dst)
-    else:
-        dist.send(grads, dst=0)
-        dist.recv(grads, src=0)  # the mean, from rank 0
-    done: torch.futures.Future = torch.futures.Future()
-    done.set_result(grads)
-    return done
-
-
-def wrap_model(model: nn.Module, plan: Plan, ctx: DistContext) -> nn.Module:
-    """Return the module to call for training: DDP(model), the FSDP-sharded model, or model itself."""
-    if plan.compile:
-        # In place (Module.compile), so parameter names do not change: no "_orig_mod." prefixes
-        # in snapshots. Under FSDP block by block (torchtitan's way), since each block is also a
-        # unit that fully_shard gathers and frees around its forward; otherwise the whole model,
-        # embeddings to loss, as one graph: inductor then fuses the casts, LayerNorms and the loss
-        # between the blocks too (on a 2-core CPU 17.2 -> 15.3 ms/step, blocks vs whole, gpt-micro).
-        if plan.parallel == "fsdp":
-            for block in model.blocks:
-                block.compile()
-        else:
-            model.compile()
-    if plan.parallel == "fsdp":
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-        # bf16 compute copies of the parameters, fp32 gradient reduction (summing
-        # many small bf16 numbers loses precision), fp32 sharded master weights.
-        mp = MixedPrecisionPolicy(param_dtype=AMP_DTYPES[plan.amp_dtype], reduce_dtype=torch.float32) \
-            if plan.use_amp else MixedPrecisionPolicy()
-        offload = CPUOffloadPolicy() if plan.cpu_offload else OffloadPolicy()
-        reshard_after_forward = plan.reshard_after_forward
-        # Shard block by block, then the root (embeddings, final norm, head): each
-        # block's parameters are gathered just before it runs and freed after.
-        for block in model.blocks:
-            fully_shard(block, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard_after_forward)
-        return model
-    if plan.parallel == "ddp" and ctx.distributed:
-        # DDP registers autograd hooks that all-reduce gradients bucket by bucket
-        # while backward is still running, overlapping communication with compute.
-        ddp = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
-        if plan.grad_reduce == "via_rank0":
-            ddp.register_comm_hook(None, reduce_through_rank0)
-        return ddp
-    return model
-
-
-def autocast(plan: Plan, device: torch.device) -> AbstractContextManager:
-    """The forward pass's precision context. FSDP (MixedPrecisionPolicy) and DeepSpeed (a bf16/fp16
-    copy of the model) cast the parameters themselves."""
-    if not plan.use_amp or plan.parallel in ("fsdp", "deepspeed"):
-        return nullcontext()
-    return torch.autocast(device_type=device.type, dtype=AMP_DTYPES[plan.amp_dtype])
 
 
 def set_tf32(plan: Plan, device: torch.device) -> None:
@@ -226,7 +100,7 @@ def autocast_attention_fp32(plan: Plan, device: torch.device, shape: tuple[int, 
     """Under bf16 autocast, should attention run in fp32? Decided by timing both on this device at the
     model's shape (a few milliseconds at start), not assumed: some CPUs' bf16 attention kernels are
     slower than their fp32 ones. Returns the choice and the two times, in words."""
-    if not plan.use_amp or plan.amp_dtype != "bf16" or plan.parallel in ("fsdp", "deepspeed"):
+    if not plan.use_amp or plan.amp_dtype != "bf16":
         return False, ""
     bf16_ms, fp32_ms = time_attention(device, torch.bfloat16, shape), time_attention(device, torch.float32, shape)
     return fp32_ms < bf16_ms, f"attention {'fp32' if fp32_ms < bf16_ms else 'bf16'} " \

@@ -283,26 +283,44 @@ def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def max_over_ranks(value: int) -> int:
-    """The largest of every rank's value, on every rank (an all-reduce with MAX).
-
-    A CPU tensor, so it goes through gloo even in a GPU job (backend_for): the trainer
-    votes every step, and on nccl a GPU tensor's .item() would make the CPU wait for
-    every queued kernel, leaving the GPU idle meanwhile. A gloo timeout also raises an
-    exception (and the rank's exit note is written), where an nccl one aborts the process.
-    """
-    if not dist.is_initialized():
-        return value
-    t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
-
-
 def all_gather_objects(obj):
     """Collect one picklable object from every rank (rank order); a list of one when alone.
-    Pickled bytes travel as CPU tensors, through gloo (see max_over_ranks)."""
+    Pickled bytes travel as CPU tensors, through gloo (see ControlPlane.max)."""
     if not dist.is_initialized():
         return [obj]
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+class ControlPlane:
+    """The collectives that coordinate the ranks, as opposed to those that move gradients: the
+    per-step vote, start-up checks, means for log lines. They are handed to the strategies and
+    the snapshot protocol rather than reached for, so that a mode with its own ranks and transport
+    (Horovod, torchft's replica groups) can hand in its own; this one is torch.distributed's
+    default process group (or nothing at all, alone)."""
+
+    def mean(self, t: torch.Tensor) -> torch.Tensor:
+        return all_reduce_mean(t)
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        if dist.is_initialized():
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def max(self, values: list[int]) -> list[int]:
+        """Each position's largest value over all ranks, on every rank (an all-reduce with MAX).
+
+        A CPU tensor, so it goes through gloo even in a GPU job (backend_for): the trainer
+        votes every step, and on nccl a GPU tensor's .item() would make the CPU wait for
+        every queued kernel, leaving the GPU idle meanwhile. A gloo timeout also raises an
+        exception (and the rank's exit note is written), where an nccl one aborts the process.
+        """
+        if not dist.is_initialized():
+            return list(values)
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
+    def gather(self, obj) -> list:
+        return all_gather_objects(obj)

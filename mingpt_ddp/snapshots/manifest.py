@@ -3,8 +3,8 @@
 A snapshot exists when the manifest names it, with its size and sha256 (a sharded one: every
 file's). This module owns the manifest's three rules:
 
-- **Names.** snapshot_<step>[.g<generation>].pt is one file, .dcp a folder of DCP shards, .zero
-  a folder of DeepSpeed's per-rank files; the
+- **Names.** snapshot_<step>[.g<generation>].pt is one file; a folder's extension names the
+  FileLayout of the strategy that wrote it (.dcp: FSDP's DCP shards, .zero: DeepSpeed's files). The
   generation is the lease's (mingpt_ddp/snapshots/lease.py), so two jobs never write the same name.
 - **Untrusted input.** Snapshot paths get shared and downloaded, so every entry is checked
   (entry_problem) before anything it names is read or deleted: only names this project writes
@@ -20,17 +20,13 @@ import re
 from typing import Any, Callable
 
 from mingpt_ddp.runtime.distributed import warn0
+from mingpt_ddp.snapshots.layout import FileLayout
 from mingpt_ddp.snapshots.lease import LeaseError
 from mingpt_ddp.snapshots.storage import Storage
 
 MANIFEST = "latest.json"
-SNAPSHOT_RE = re.compile(r"^snapshot_(\d+)(?:\.g(\d+))?\.(pt|dcp|zero)$")
-# A folder's kind, and the names of the files in it: what DCP (or DeepSpeed) and save_sharded write.
-FOLDER_KINDS = {
-    "dcp": ("sharded", re.compile(r"^(\.metadata|meta\.pt|__\d+_\d+\.distcp)$")),
-    "zero": ("deepspeed", re.compile(r"^(meta\.pt|mp_rank_\d\d_model_states\.pt|"
-                                     r"(bf16_)?zero_pp_rank_\d+_mp_rank_\d\d_(optim|model)_states\.pt)$")),
-}
+# .pt: one file; any other extension: a folder, whose FileLayout (its writer's rules) says what it holds.
+SNAPSHOT_RE = re.compile(r"^snapshot_(\d+)(?:\.g(\d+))?\.([a-z0-9]+)$")
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 Entries = list[dict]
@@ -50,30 +46,34 @@ def _is_count(x: Any) -> bool:
     return type(x) is int and x >= 0  # not bool, not "1", not 1.5
 
 
-def entry_problem(entry: Any) -> str:
+def entry_problem(entry: Any, layouts: dict[str, FileLayout]) -> str:
     """Why a manifest entry cannot be used ("" if it can). Only names this project writes pass, so a
-    crafted manifest cannot point a read, a shard copy or a retention delete anywhere else."""
+    crafted manifest cannot point a read, a shard copy or a retention delete anywhere else.
+    layouts: the known multi-file layouts, by extension."""
     if not isinstance(entry, dict):
         return "not an object"
     match = SNAPSHOT_RE.match(entry["file"]) if isinstance(entry.get("file"), str) else None
     if not match:
-        return "file is not snapshot_<step>[.g<n>].pt, .dcp or .zero"
+        return f"file is not snapshot_<step>[.g<n>].{' or .'.join(['pt', *layouts])}"
     if not _is_count(entry.get("step")) or entry["step"] != int(match.group(1)):
         return "step does not match the file name"
     if not _is_count(entry.get("bytes")):
         return "bytes is not a count"
     if match.group(3) == "pt":
-        if entry.get("kind") in [kind for kind, _ in FOLDER_KINDS.values()]:
+        if entry.get("kind") in [layout.kind for layout in layouts.values()]:
             return "kind does not match the file name"
         return "" if SHA256_RE.match(str(entry.get("sha256"))) else "sha256 is not a sha256 digest"
-    kind, file_re = FOLDER_KINDS[match.group(3)]
-    if entry.get("kind") != kind:
+    layout = layouts.get(match.group(3))
+    if layout is None:
+        return f"file is not snapshot_<step>[.g<n>].{' or .'.join(['pt', *layouts])}"
+    if entry.get("kind") != layout.kind:
         return "kind does not match the file name"
+    kind = layout.kind
     files = entry.get("files")
     if not isinstance(files, dict) or not files:
         return "files is not a table of shard files"
     for name, fingerprint in files.items():
-        if not isinstance(name, str) or not file_re.match(name):
+        if not isinstance(name, str) or not layout.accepts(name):
             return f"shard file {name!r} is not a {kind} file name"
         if not isinstance(fingerprint, dict) or not _is_count(fingerprint.get("bytes")) or \
                 not SHA256_RE.match(str(fingerprint.get("sha256"))):
@@ -84,8 +84,8 @@ def entry_problem(entry: Any) -> str:
 class Manifest:
     """latest.json under one snapshot path."""
 
-    def __init__(self, storage: Storage, url: str):
-        self.storage, self.url = storage, url
+    def __init__(self, storage: Storage, url: str, layouts: dict[str, FileLayout]):
+        self.storage, self.url, self.layouts = storage, url, layouts  # layouts by extension
 
     def read(self) -> tuple[Entries, int, str | None]:
         """The committed entries that pass entry_problem, the lease generation that last committed, and
@@ -104,7 +104,7 @@ class Manifest:
             return [], 0, version
         good = []
         for entry in entries:
-            if problem := entry_problem(entry):
+            if problem := entry_problem(entry, self.layouts):
                 warn0(f"snapshot manifest {self.url}/{MANIFEST}: entry {json.dumps(entry)[:160]} skipped ({problem})")
             else:
                 good.append(entry)

@@ -45,9 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import os
-import shutil
 import tempfile
 import threading
 import time
@@ -56,7 +54,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from mingpt_ddp.runtime.distributed import print0, warn0
+from mingpt_ddp.errors import SnapshotError, SnapshotMismatch  # noqa: F401 - raised to the store's users
+from mingpt_ddp.runtime.distributed import all_gather_objects, print0, warn0
+from mingpt_ddp.snapshots.files import OpenSnapshot, copy_to_cpu, fingerprint, open_entry, serialize
+from mingpt_ddp.snapshots.layout import META, FileLayout
 from mingpt_ddp.snapshots.lease import Lease, LeaseError
 from mingpt_ddp.snapshots.manifest import (
     MANIFEST,
@@ -67,78 +68,32 @@ from mingpt_ddp.snapshots.manifest import (
 )  # noqa: F401 - MANIFEST for users
 from mingpt_ddp.snapshots.storage import open_storage, storage_hint
 
-META = "meta.pt"  # in a sharded snapshot: everything but the model and optimizer tensors
-EXTENSIONS = {"sharded": "dcp", "deepspeed": "zero"}  # a multi-file snapshot's kind -> its folder's extension
-
-
-def dcp_writer(app_state: dict) -> Callable[[str], str]:
-    """save_sharded's writer for DTensor state (FSDP): torch.distributed.checkpoint's shards of it."""
-    def write(stage: str) -> str:
-        import torch.distributed.checkpoint as dcp
-
-        dcp.save(app_state, storage_writer=dcp.FileSystemWriter(stage))
-        return stage
-    return write
-
-
-class SnapshotError(RuntimeError):
-    """Snapshot storage is unusable or a snapshot cannot be used; the message names the fix."""
-
-
-class SnapshotMismatch(SnapshotError):
-    """The snapshot is intact but belongs to another model or corpus: an error, not a fallback."""
-
-
-def _serialize(obj: Any) -> memoryview:
-    buf = io.BytesIO()
-    # A sha256 covers every stored file, so torch.save's own CRC32 of every record
-    # is redundant work (about a third of the save, and of the load).
-    crc = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
-    try:
-        torch.save(obj, buf)
-    finally:
-        torch.serialization.set_crc32_options(crc)
-    return buf.getbuffer()  # a view: no second copy of a possibly large buffer
-
-
-def _fingerprint(data: bytes | memoryview) -> dict:
-    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-
-
-def _load_bytes(data: bytes, map_location) -> Any:
-    # weights_only=True: only tensors and plain containers are unpickled, so a
-    # snapshot file cannot run code on load.
-    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
-
-
 def _hint(error: Exception) -> str:
     return storage_hint(error, "trainer_config.snapshot_path", "point trainer_config.snapshot_path at a writable location")
 
 
-def copy_to_cpu(obj: Any) -> Any:
-    """A deep copy of a state dict with every tensor cloned to CPU memory.
+def strategy_layouts() -> dict[str, FileLayout]:
+    """The multi-file layouts the parallel strategies declare (a store built without being told)."""
+    from mingpt_ddp.parallel.registry import file_layouts
 
-    Training goes on updating the live tensors in place, so a background save must
-    work on its own copy; this copy is the only part of an async save that stalls
-    training.
-    """
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: copy_to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(copy_to_cpu(v) for v in obj)
-    return obj
+    return file_layouts()
 
 
 class SnapshotStore:
-    def __init__(self, url: str, keep_last: int = 3, s3_endpoint_url: str = "", save_attempts: int = 3):
+    """Snapshots under one URL: committed atomically, one writer at a time, read back checked.
+
+    layouts: the FileLayouts of the multi-file snapshots it may write and read, by kind; by default
+    those the registered parallel strategies declare (mingpt_ddp/parallel/registry.py)."""
+
+    def __init__(self, url: str, keep_last: int = 3, s3_endpoint_url: str = "", save_attempts: int = 3,
+                 layouts: dict[str, FileLayout] | None = None):
         self.url = url
+        self.layouts = strategy_layouts() if layouts is None else layouts
         self.keep_last = keep_last
         self.save_attempts = save_attempts  # per save, with backoff, before the save counts as failed
         self.storage = open_storage(url, s3_endpoint_url)
-        self.manifest = Manifest(self.storage, url)
+        by_extension = {layout.extension: layout for layout in self.layouts.values()}
+        self.manifest = Manifest(self.storage, url, by_extension)
         self.lease: Lease | None = None  # taken by acquire() on the rank that commits
         self.generation = 0  # the lease generation this job writes under (0: no lease)
         self.last_committed: dict | None = None  # the newest snapshot known good: where a rerun resumes
@@ -224,10 +179,10 @@ class SnapshotStore:
     def save(self, state: dict, step: int) -> dict:
         """Serialize and commit one snapshot now; returns its manifest entry."""
         with self._save_failures("snapshot save", step, f" after {self.save_attempts} attempts"):
-            return self._commit(_serialize(state), step)
+            return self._commit(serialize(state), step)
 
     def _commit(self, data: memoryview, step: int) -> dict:
-        entry = {"file": self._name(step, "pt"), "step": step, **_fingerprint(data)}
+        entry = {"file": self._name(step, "pt"), "step": step, **fingerprint(data)}
         self._retry(lambda: self.storage.write(entry["file"], data))  # 1. the snapshot, complete
         self._publish(entry)
         return entry
@@ -260,48 +215,50 @@ class SnapshotStore:
         except Exception as e:  # noqa: BLE001 - a leftover file is not lost work
             warn0(f"could not delete {self.url}/{entry['file']} ({type(e).__name__}: {e}); it can be removed by hand")
 
-    def save_sharded(self, write: Callable[[str], str], meta: dict | None, step: int, is_main: bool,
-                     kind: str = "sharded") -> dict | None:
+    def save_files(self, write: Callable[[str], str], meta: dict | None, step: int, is_main: bool,
+                   kind: str) -> dict | None:
         """Collective: every rank writes its own part of the state, in parallel.
 
-        write(stage) writes this rank's files into a rank-local staging directory and returns
-        the folder holding them: dcp_writer(app_state) for DCP shards of DTensors (kind
-        "sharded"), zero.ZeroEngine.save for DeepSpeed's partitions (kind "deepspeed"). Each
-        rank then stores its files under snapshot_<step>.g<generation>.dcp/ (or .zero/) itself.
+        write(stage) writes this rank's files into a rank-local staging directory and returns the
+        folder holding them (the strategy's writer: DCP shards, DeepSpeed's partitions). Each rank
+        then stores its files under snapshot_<step>.g<generation>.<the layout's extension>/ itself.
         Rank 0 adds meta.pt (step, RNG states, config...) and commits the manifest listing every
         file with its size and sha256: until then the snapshot does not exist.
         """
-        from mingpt_ddp.runtime.distributed import all_gather_objects
-
-        name = self._name(step, EXTENSIONS[kind])
+        name = self._name(step, self.layouts[kind].extension)
         with self._save_failures(f"{kind} snapshot save", step):
-            mine, error = {}, None
-            with tempfile.TemporaryDirectory(prefix=f"{kind}-stage-") as stage:
-                folder = write(stage)
-                try:
-                    for file in sorted(os.listdir(folder)):
-                        with open(os.path.join(folder, file), "rb") as f:
-                            data = f.read()
-                        self._retry(lambda: self.storage.write(f"{name}/{file}", data))
-                        mine[file] = _fingerprint(data)
-                except Exception as e:  # noqa: BLE001 - shared with every rank below
-                    error = f"{type(e).__name__}: {e}"
+            mine, error = self._store_own_files(write, name, kind)
             # Every rank learns what every other wrote, or that one failed: all raise together
             # instead of the others waiting in the next collective.
             parts = all_gather_objects((mine, error))
             errors = [err for _, err in parts if err]
             if errors:
                 raise SnapshotError(errors[0])
-            files = {k: v for part, _ in parts for k, v in part.items()}
             if not is_main:
                 return None
-            meta_bytes = _serialize(meta)
+            files = {k: v for part, _ in parts for k, v in part.items()}
+            meta_bytes = serialize(meta)
             self._retry(lambda: self.storage.write(f"{name}/{META}", meta_bytes))
-            files[META] = _fingerprint(meta_bytes)
+            files[META] = fingerprint(meta_bytes)
             entry = {"file": name, "step": step, "kind": kind, "files": files,
                      "bytes": sum(f["bytes"] for f in files.values())}
             self._publish(entry)
             return entry
+
+    def _store_own_files(self, write: Callable[[str], str], name: str, kind: str) -> tuple[dict, str | None]:
+        """This rank's part of save_files: its files written, stored, fingerprinted; or the error."""
+        mine, error = {}, None
+        with tempfile.TemporaryDirectory(prefix=f"{kind}-stage-") as stage:
+            folder = write(stage)
+            try:
+                for file in sorted(os.listdir(folder)):
+                    with open(os.path.join(folder, file), "rb") as f:
+                        data = f.read()
+                    self._retry(lambda: self.storage.write(f"{name}/{file}", data))
+                    mine[file] = fingerprint(data)
+            except Exception as e:  # noqa: BLE001 - shared with every rank by save_files
+                error = f"{type(e).__name__}: {e}"
+        return mine, error
 
     def save_async(self, state: dict, step: int) -> None:
         """Copy state to CPU memory now, write it in a background thread while training goes on.
@@ -317,7 +274,7 @@ class SnapshotStore:
         def write() -> None:
             t0 = time.perf_counter()
             try:
-                entry = self._commit(_serialize(cpu_state), step)
+                entry = self._commit(serialize(cpu_state), step)
                 print0(f"snapshot | step {step} | {entry['bytes'] / 1e6:.1f} MB | written in background "
                        f"in {time.perf_counter() - t0:.2f} s | {self.url}/{entry['file']}")
             except BaseException as e:  # noqa: BLE001 - handed to the training thread
@@ -358,37 +315,11 @@ class SnapshotStore:
             raise SnapshotError(f"{name}: checksum mismatch")
         return data
 
-    def _stage(self, entry: dict, directory: str) -> None:
-        """Copy a sharded snapshot's files into a local directory, each checked against the manifest
-        (DCP and DeepSpeed read their files from a directory, wherever the snapshot is stored)."""
-        os.makedirs(directory, exist_ok=True)
-        for file, expected in entry["files"].items():
-            with open(os.path.join(directory, file), "wb") as f:
-                f.write(self._read_checked(f"{entry['file']}/{file}", expected))
-
     def _open(self, entry: dict, map_location) -> OpenSnapshot:
-        """Read and check every file of one snapshot; its metadata is then known, its tensors ready."""
-        if entry.get("kind") in EXTENSIONS:
-            stage = tempfile.mkdtemp(prefix=f"{entry['kind']}-load-")
-            files = stage  # DCP reads the directory itself
-            if entry["kind"] == "deepspeed":
-                from mingpt_ddp.parallel.deepspeed import TAG, check_weights_only
-
-                files = os.path.join(stage, TAG)  # DeepSpeed reads <dir>/<tag>/
-            try:
-                self._stage(entry, files)
-                meta = torch.load(os.path.join(files, META), map_location=map_location, weights_only=True)
-                if entry["kind"] == "deepspeed":  # DeepSpeed itself will read them with weights_only=False
-                    check_weights_only(files)
-            except BaseException:
-                shutil.rmtree(stage, ignore_errors=True)
-                raise
-            return OpenSnapshot(entry, meta, stage=stage)
-        state = _load_bytes(self._read_checked(entry["file"], entry if "sha256" in entry else None), map_location)
-        if not isinstance(state, dict) or "step" not in state:
-            raise SnapshotError("not a snapshot of this project")
-        tensors = {k: state.pop(k) for k in ("model", "optimizer") if k in state}
-        return OpenSnapshot(entry, state, tensors=tensors)
+        layout = self.layouts.get(entry["kind"]) if "kind" in entry else None
+        if "kind" in entry and layout is None:
+            raise SnapshotError(f"written by a parallel mode this version does not know ({entry['kind']})")
+        return open_entry(entry, layout, self._read_checked, map_location)
 
     @contextlib.contextmanager
     def open_latest(self, map_location: str | torch.device = "cpu") -> Iterator[OpenSnapshot | None]:
@@ -428,44 +359,5 @@ class SnapshotStore:
         if state is None:
             raise SnapshotError(f"no snapshot under {self.url!r}")
         with open(out_path, "wb") as f:
-            f.write(_serialize(state))
+            f.write(serialize(state))
         return state
-
-
-class OpenSnapshot:
-    """A snapshot whose files passed their checks: its metadata, and its tensors on request."""
-
-    def __init__(self, entry: dict, meta: dict, tensors: dict | None = None, stage: str | None = None):
-        self.entry, self.meta, self._tensors, self._stage = entry, meta, tensors, stage
-        self.kind = entry.get("kind", "single")  # single | sharded (DCP) | deepspeed
-        self.directory = stage  # where a sharded or DeepSpeed snapshot's checked files are staged
-
-    @property
-    def sharded(self) -> bool:
-        """DCP shards, loadable into any layout at any world size."""
-        return self.kind == "sharded"
-
-    def tensors(self, into: dict | None = None) -> dict:
-        """{"model": ..., "optimizer": ...}. A single-file snapshot holds full tensors. A sharded one is
-        loaded by DCP into `into`, state dicts laid out for this run at any world size (DCP reshards);
-        without `into`, its shards are consolidated into full tensors."""
-        if self.kind == "single":
-            return self._tensors
-        if self.kind == "deepspeed":  # its fp32 partitions put back together: the weights, no optimizer
-            from mingpt_ddp.parallel.deepspeed import consolidated_model
-
-            return {"model": consolidated_model(self._stage)}
-        if into is not None:
-            import torch.distributed.checkpoint as dcp
-
-            dcp.load(into, storage_reader=dcp.FileSystemReader(self._stage))
-            return into
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-        full = os.path.join(self._stage, "full.pt")
-        dcp_to_torch_save(self._stage, full)
-        return torch.load(full, map_location="cpu", weights_only=True)
-
-    def close(self) -> None:
-        if self._stage is not None:
-            shutil.rmtree(self._stage, ignore_errors=True)

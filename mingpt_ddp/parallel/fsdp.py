@@ -1,0 +1,107 @@
+"""parallel=fsdp: FSDP2 (`fully_shard`), every rank holding 1/N of each parameter.
+
+Every rank holds 1/N of each parameter, gradient and optimizer state (DTensor shards). Before a
+block runs forward or backward its parameters are all-gathered, and afterwards freed again;
+gradients are reduce-scattered, so each rank keeps only its shard. Memory per rank falls
+roughly as 1/N, for more communication. Mixed precision is a MixedPrecisionPolicy: whole blocks
+compute on bf16/fp16 copies of the parameters over fp32 shards, so there is no autocast.
+
+Snapshots are DCP shards (torch.distributed.checkpoint): every rank writes its own, in
+parallel, and DCP reshards on load, so a snapshot resumes at any world size and under any mode.
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.optim import check_muon_supported
+from mingpt_ddp.parallel.plan import AMP_DTYPES
+from mingpt_ddp.parallel.single import Single
+from mingpt_ddp.parallel.strategy import StrategyArgs
+from mingpt_ddp.snapshots.layout import FileLayout
+
+
+def _full_tensors(folder: str) -> dict:
+    """The shards put back together on the CPU, without a process group (DCP's own converter)."""
+    full = f"{folder}/full.pt"
+    dcp_to_torch_save(folder, full)
+    return torch.load(full, map_location="cpu", weights_only=True)
+
+
+def _load_into(folder: str, state: dict) -> dict:
+    """Collective: DCP reads the shards each rank needs for its own layout (resharding)."""
+    dcp.load(state, storage_reader=dcp.FileSystemReader(folder))
+    return state
+
+
+DCP_FILES = FileLayout(
+    kind="sharded", extension="dcp", file_names=re.compile(r"^(\.metadata|__\d+_\d+\.distcp)$"),
+    full_tensors=_full_tensors, load_into=_load_into)
+
+
+class FSDPStrategy(Single):
+    """The local step of single.py over sharded parameters, with FSDP's gathers and reductions."""
+
+    layout = DCP_FILES
+    forward_on_all_ranks = True  # every forward all-gathers parameters: every rank takes part
+    amp_words = "{dtype} parameters (FSDP mixed precision)"
+
+    @classmethod
+    def check(cls, args: StrategyArgs) -> None:
+        if not args.ctx.distributed:
+            raise ConfigError("trainer_config.parallel=fsdp needs a process group: launch with torchrun "
+                              "(--nproc_per_node=1 for one process) or use parallel=ddp")
+        if args.plan.cpu_offload and args.ctx.device.type != "cuda":
+            raise ConfigError("trainer_config.fsdp_cpu_offload=true keeps FSDP's shards in CPU memory "
+                              "instead of GPU memory: it needs parallel=fsdp on GPUs; set "
+                              "fsdp_cpu_offload=false")
+        if args.plan.grad_reduce == "via_rank0":
+            raise ConfigError("trainer_config.grad_reduce=via_rank0 is a DDP communication hook; use "
+                              "parallel=ddp")
+        check_muon_supported(args.optim, "fsdp")
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """Shard in place, block by block, then the root (embeddings, final norm, head): each block's
+        parameters are gathered just before it runs and freed after."""
+        plan = self.plan
+        if plan.compile:  # block by block (torchtitan's way): each block is also a unit FSDP gathers
+            for block in model.blocks:
+                block.compile()
+        # bf16 compute copies of the parameters, fp32 gradient reduction (summing many small
+        # bf16 numbers loses precision), fp32 sharded master weights.
+        mp = MixedPrecisionPolicy(param_dtype=AMP_DTYPES[plan.amp_dtype], reduce_dtype=torch.float32) \
+            if plan.use_amp else MixedPrecisionPolicy()
+        offload = CPUOffloadPolicy() if plan.cpu_offload else OffloadPolicy()
+        for module in [*model.blocks, model]:
+            fully_shard(module, mp_policy=mp, offload_policy=offload,
+                        reshard_after_forward=plan.reshard_after_forward)
+        return model
+
+    def autocasts(self) -> bool:
+        return False  # the MixedPrecisionPolicy casts the parameters
+
+    def gradient_sync(self, sync: bool) -> AbstractContextManager:
+        """Before the last micro-step gradients only accumulate (FSDP's set_requires_gradient_sync)."""
+        self.train_model.set_requires_gradient_sync(sync)
+        return nullcontext()
+
+    def loads_full_tensors(self, state: dict) -> bool:
+        # A single-file snapshot holds full tensors; a DCP one was loaded into our own layout.
+        return not isinstance(next(iter(state["model"].values())), DTensor)
+
+    def read_tensors(self, snapshot) -> dict:
+        return snapshot.tensors(into=self.tensor_state() if snapshot.reshardable else None)
+
+    def write_files(self, stage: str) -> str:
+        dcp.save(self.tensor_state(), storage_writer=dcp.FileSystemWriter(stage))
+        return stage
+

@@ -1,0 +1,39 @@
+"""The parallel modes by name (trainer_config.parallel), and the snapshot layouts they declare.
+
+Adding a mode: write its module (the contract is strategy.py), then name it here. The modules
+are imported when first asked for, so a run imports only its own mode (DeepSpeed's module
+imports DeepSpeed itself only when its engine is built).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch.nn as nn
+
+from mingpt_ddp.errors import ConfigError
+
+STRATEGIES = {
+    "none": "mingpt_ddp.parallel.single:Single",
+    "ddp": "mingpt_ddp.parallel.ddp:DDPStrategy",
+    "fsdp": "mingpt_ddp.parallel.fsdp:FSDPStrategy",
+    "deepspeed": "mingpt_ddp.parallel.deepspeed:DeepSpeedStrategy",
+}
+
+
+def _load(path: str):
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def build_strategy(parallel: str, model: nn.Module, args):
+    """The strategy named by trainer_config.parallel, built around model (a strategy.Strategy)."""
+    if parallel not in STRATEGIES:
+        raise ConfigError(f"trainer_config.parallel={parallel} is not one of {', '.join(STRATEGIES)}")
+    return _load(STRATEGIES[parallel])(model, args)
+
+
+def file_layouts() -> dict:
+    """{kind: FileLayout} of every mode whose snapshots are written by all ranks (for the store)."""
+    layouts = (_load(path).layout for path in STRATEGIES.values())
+    return {layout.kind: layout for layout in layouts if layout is not None}

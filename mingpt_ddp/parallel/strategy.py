@@ -1,0 +1,190 @@
+"""The contract between the Trainer and a parallel mode (trainer_config.parallel).
+
+The Trainer owns the loop: the data order, the learning-rate schedule, when to evaluate, log and
+snapshot, and stop signals. A Strategy owns everything that depends on how the model is spread
+over the ranks: wrapping it, the optimizer and its whole step, evaluation's forward passes, the
+words that describe it, and how its state is written and read. The Trainer and the snapshot
+protocol call only the methods below and never ask which mode runs, so a new mode is one new
+module beside single.py, ddp.py, fsdp.py and deepspeed.py, named in registry.py.
+
+The contract, as the Trainer relies on it:
+
+    Strategy.check(args)              refuse settings the mode does not run (ConfigError naming
+                                      the one to change), before anything is built
+    strategy.model                    the plain nn.Module (for sampling text; its parameters may be
+                                      shards, so with forward_on_all_ranks every rank samples)
+    strategy.optimizers               the torch optimizers whose param_groups["lr"] the Trainer sets
+    strategy.train_step(batches, n)   one whole optimizer step over n micro-batches (an iterator
+                                      of (x, y), each (B, T)): forward, backward, gradient
+                                      reduction, global clipping, update. Returns (loss, committed):
+                                      the step's mean loss on this rank (a device tensor, not
+                                      synchronised) or None where this rank computed none, and
+                                      whether the step was applied (the Trainer counts only those)
+    strategy.evaluate(batches)        the mean loss over those batches, averaged over the ranks
+    strategy.grad_norm()              the last step's global gradient norm, before clipping
+    strategy.describe()               (mode, precision): the words of the start-up line
+    strategy.optimizer_state_bytes()  what this rank holds of the optimizer state
+    strategy.layout                   None: one file, written by rank 0 from tensor_state();
+                                      else a FileLayout: every rank writes write_files(stage)
+    strategy.snapshot_meta()          what a snapshot must record of the mode (partitioning)
+    strategy.check_snapshot(s, where) refuse a snapshot this mode cannot resume (SnapshotMismatch)
+    strategy.tensor_state()           {"model", "optimizer"} keyed by parameter name
+    strategy.read_tensors(snapshot)   those tensors from an open snapshot, laid out for this run
+    strategy.load_tensor_state(state) put them into the model and optimizers
+
+The control-plane collectives (the vote, gathers, means) come in StrategyArgs.control: a mode
+with its own ranks and transport (Horovod) brings its own ControlPlane.
+
+How the modes to come fit this contract:
+
+- Pipeline parallelism (torch.distributed.pipelining): the model is cut into stages, one per
+  rank of a pipeline group. train_step hands the n micro-batches to a schedule (GPipe, 1F1B),
+  which runs forward and backward together; only the last stage computes a loss, so it returns
+  (loss, True) there and (None, True) on the other stages, and the Trainer averages the losses
+  that exist. evaluate runs the schedule's forward only and broadcasts the last stage's loss
+  (through control). Clipping needs the norm over all stages: each stage's squared norm,
+  summed over the pipeline group, before any stage steps. forward_on_all_ranks is True (every
+  stage takes part in every forward); its state is per stage, written as DCP shards (a layout),
+  and check_snapshot refuses another number of stages.
+- Context parallelism: a context manager around forward and backward that shards the sequence
+  dimension (torch's context_parallel), entered inside train_step and evaluate.
+- torchft: train_step asks the manager whether the step may commit after the gradients are
+  averaged across replica groups; a rejected step returns (loss, False) and is not counted.
+- Horovod: its own ranks and control plane; the optimizer is wrapped by hvd.DistributedOptimizer
+  inside the strategy, and StrategyArgs.control is a ControlPlane over Horovod's collectives.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+
+from mingpt_ddp.config.deepspeed import DeepSpeedConfig
+from mingpt_ddp.config.optimizer import OptimizerConfig
+from mingpt_ddp.errors import SnapshotMismatch
+from mingpt_ddp.parallel.plan import Plan, bf16_native
+from mingpt_ddp.runtime.distributed import ControlPlane, DistContext
+from mingpt_ddp.snapshots.files import OpenSnapshot
+from mingpt_ddp.snapshots.layout import FileLayout
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # inputs and targets, (B, T) each
+
+
+@dataclass(frozen=True)
+class StrategyArgs:
+    """What every strategy is built from."""
+
+    plan: Plan
+    """The parallelism and precision settings of the run ("auto" already decided)."""
+    ctx: DistContext
+    """Who this rank is, and its device."""
+    optim: OptimizerConfig
+    """The optimizer the strategy builds (or hands to its engine)."""
+    batch_size: int
+    """Windows per rank per micro-step."""
+    accum_steps: int
+    """Micro-steps per optimizer step, as the run starts."""
+    control: ControlPlane
+    """The collectives to coordinate with (the vote, gathers, means)."""
+    deepspeed: DeepSpeedConfig
+    """DeepSpeed's own settings (read by the DeepSpeed strategy only)."""
+
+
+class Strategy:
+    """The base of every parallel mode: the contract above, and what most modes share."""
+
+    layout: FileLayout | None = None
+    """How its snapshots are written: None, one file by rank 0; else every rank writes its files."""
+    forward_on_all_ranks: bool = False
+    """Every rank must run every forward (each holds only part of the parameters)."""
+    amp_words: str = "{dtype} autocast"
+    """How mixed precision works in this mode, in words, for the start-up line."""
+
+    def __init__(self, model: nn.Module, args: StrategyArgs):
+        self.model, self.args = model, args
+        self.plan, self.ctx, self.control = args.plan, args.ctx, args.control
+        self.device = args.ctx.device
+        self.optimizers: list[torch.optim.Optimizer] = []
+
+    @classmethod
+    def check(cls, args: StrategyArgs) -> None:
+        """Refuse settings this mode does not run (ConfigError, naming the setting to change)."""
+
+    # -------------------------------------------------------------- the step
+    def train_step(self, batches: Iterator[Batch], n_micro: int) -> tuple[torch.Tensor | None, bool]:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterator[Batch]) -> float:
+        # eval(): no dropout. No gradients, so DDP's hooks are not needed (FSDP's gathers still run).
+        self.model.eval()
+        total, n = torch.zeros((), device=self.device), 0
+        for x, y in batches:
+            with self.precision_context():
+                total += self.model(x, y)[1]
+            n += 1
+        self.model.train()
+        return self.control.mean(total / n).item()
+
+    def precision_context(self) -> AbstractContextManager:
+        """The forward pass's precision context (none: the mode casts the parameters itself)."""
+        return nullcontext()
+
+    def grad_norm(self) -> float:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------- in words
+    def describe(self) -> tuple[str, str]:
+        """(mode, precision) in words: what the start-up line says of this run."""
+        return self.plan.parallel, self.precision()
+
+    def precision(self) -> str:
+        plan = self.plan
+        if not plan.use_amp:
+            return "fp32 (TF32 matmuls)" if self.device.type == "cuda" and plan.tf32 else "fp32"
+        words = self.amp_words.format(dtype=plan.amp_dtype)
+        if plan.amp_dtype == "bf16":  # whether the hardware has bf16 units decides if bf16 pays off
+            words += f" ({bf16_native(self.device)[1]})" + self.attention_words()
+        return words + (" + GradScaler" if self.scales_loss() else "")
+
+    def attention_words(self) -> str:
+        return ""
+
+    def scales_loss(self) -> bool:
+        return False
+
+    def optimizer_state_bytes(self) -> int:
+        raise NotImplementedError
+
+    # ----------------------------------------------------------- snapshots
+    def snapshot_meta(self) -> dict:
+        """What a snapshot records of the mode besides tensors: fp16's loss scale ("scaler") and
+        DeepSpeed's partitioning ("deepspeed": None, any mode can resume it); keys of format 1 on."""
+        return {"scaler": {}, "deepspeed": None}
+
+    def load_snapshot_meta(self, meta: dict) -> None:
+        """Restore what snapshot_meta recorded (the loss scale)."""
+
+    def check_snapshot(self, snapshot: OpenSnapshot, where: str) -> None:
+        """Refuse a snapshot whose files only their own mode can read."""
+        layout = snapshot.layout
+        if layout is not None and layout is not self.layout and layout.refusal is not None:
+            raise SnapshotMismatch(f"{where} {layout.refusal(snapshot.meta)}")
+
+    def tensor_state(self) -> dict:
+        raise NotImplementedError
+
+    def read_tensors(self, snapshot: OpenSnapshot) -> dict:
+        """The snapshot's tensors for load_tensor_state ({} if the mode loads them itself)."""
+        return snapshot.tensors()
+
+    def load_tensor_state(self, state: dict) -> None:
+        raise NotImplementedError
+
+    def write_files(self, stage: str) -> str:
+        """Collective (modes with a layout): write this rank's files under stage; returns their folder."""
+        raise NotImplementedError

@@ -1,0 +1,76 @@
+"""Stop signals: SIGTERM/SIGINT (and submitit's preemption signal) become a request to stop after
+the current step, with a snapshot, instead of losing the work since the last save.
+
+SIGTERM is what SLURM, Kubernetes and torchrun send before killing a job. The handler only
+records the request; the training loop votes on it after the step (every rank stops together)
+and snapshots. Under submitit (Hydra's submitit launcher) its own handler for the preemption
+signal requeues the job: it is called once the step is snapshotted, so the requeued job resumes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Callable
+
+# A repeat of a stop signal within this many seconds is the same request delivered twice (by SLURM
+# and torchrun, or to the whole process group); a later one, like a second Ctrl-C, stops at once.
+DUPLICATE_SIGNAL_WINDOW_S = 1.0
+
+
+def submitit_preemption() -> tuple[int, Callable] | None:
+    """submitit's preemption signal (SIGUSR2 unless SUBMITIT_PREEMPT_SIGNAL says otherwise) and its
+    handler, when this process is a submitit job; None otherwise. The handler requeues the job and
+    exits; it saves nothing of the job's own, which is why the Trainer snapshots first."""
+    if "SUBMITIT_FOLDER" not in os.environ:
+        return None
+    sig = getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"), None)
+    handler = signal.getsignal(sig) if sig is not None else None
+    return (sig, handler) if callable(handler) else None
+
+
+class StopSignals:
+    """While entered, the stop signals set .received instead of killing the process."""
+
+    def __init__(self, give_up_after_s: float):
+        self.give_up_after_s = give_up_after_s  # the collective timeout: a stuck rank exits then
+        self.received: int | None = None
+        self._at = 0.0  # when (time.monotonic) the first came
+        self.handover = submitit_preemption()
+        self._previous: dict = {}
+
+    def __enter__(self) -> StopSignals:
+        stops = (signal.SIGTERM, signal.SIGINT) + ((self.handover[0],) if self.handover else ())
+        self._previous = {sig: signal.signal(sig, self._request_stop) for sig in stops}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def hand_over(self) -> bool:
+        """If submitit's preemption signal stopped the run: call its handler (scontrol requeue, then
+        exit). Returns False when there is nothing to hand over."""
+        if not self.handover or self.received != self.handover[0]:
+            return False
+        self.handover[1](self.received, None)
+        return True
+
+    def _request_stop(self, signum: int, frame) -> None:
+        if self.received is not None:
+            # One request often arrives twice: SLURM signals every process of the job step and
+            # torchrun forwards the same signal to its workers; Ctrl-C reaches the whole process
+            # group. Only a signal well after the first (a second Ctrl-C) means "stop right now".
+            if time.monotonic() - self._at < DUPLICATE_SIGNAL_WINDOW_S:
+                return
+            signal.signal(signum, signal.SIG_DFL)
+            raise KeyboardInterrupt
+        self.received, self._at = signum, time.monotonic()
+        # The loop will stop at the end of this step. A rank stuck somewhere (a hung
+        # filesystem, a deadlock) never gets there: give up after the collective
+        # timeout so the launcher can restart the group without waiting longer.
+        timer = threading.Timer(self.give_up_after_s, os._exit, args=(128 + signum,))
+        timer.daemon = True
+        timer.start()
