@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable
 from fractions import Fraction
-from typing import Callable
 
 import torch
 
@@ -28,7 +27,14 @@ from mingpt_ddp.config.data import DataConfig  # noqa: F401 - this dataset's con
 from mingpt_ddp.corpus.prepare import Prepared, ensure_prepared
 from mingpt_ddp.errors import DatasetError
 
-__all__ = ["CharDataset", "CharTokenizer", "DataConfig", "DatasetError", "TokenFile", "TokenWindows"]
+__all__ = [
+    "CharDataset",
+    "CharTokenizer",
+    "DataConfig",
+    "DatasetError",
+    "TokenFile",
+    "TokenWindows",
+]
 
 
 class CharTokenizer:
@@ -70,7 +76,9 @@ class TokenFile:
         self.path, self.dtype, self.num_tokens = path, dtype, num_tokens
         self.fd = os.open(path, os.O_RDONLY)
         if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)  # windows come in random order: no readahead
+            os.posix_fadvise(
+                self.fd, 0, 0, os.POSIX_FADV_RANDOM
+            )  # windows come in random order: no readahead
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -87,11 +95,18 @@ class TokenFile:
         view = memoryview(buf)
         for i, start in enumerate(starts):
             if start < 0 or start + length > self.num_tokens:
-                raise IndexError(f"window [{start}, {start + length}) is outside the {self.num_tokens} ids")
-            if os.preadv(self.fd, [view[i * row:(i + 1) * row]], start * size) != row:
-                raise DatasetError(f"{self.path} is shorter than its meta.json says; prepare it again")
-        return torch.frombuffer(buf, dtype=self.dtype).view(len(starts), length) if buf else \
-            torch.zeros(len(starts), length, dtype=self.dtype)
+                raise IndexError(
+                    f"window [{start}, {start + length}) is outside the {self.num_tokens} ids"
+                )
+            if os.preadv(self.fd, [view[i * row : (i + 1) * row]], start * size) != row:
+                raise DatasetError(
+                    f"{self.path} is shorter than its meta.json says; prepare it again"
+                )
+        return (
+            torch.frombuffer(buf, dtype=self.dtype).view(len(starts), length)
+            if buf
+            else torch.zeros(len(starts), length, dtype=self.dtype)
+        )
 
     def read(self, start: int, length: int) -> torch.Tensor:
         """(length,) ids from position start."""
@@ -140,7 +155,9 @@ def split_point(num_tokens: int, train_split: float) -> int:
 class CharDataset:
     """A prepared corpus: its tokenizer and its train/validation windows."""
 
-    def __init__(self, cfg: DataConfig, s3_endpoint_url: str = "", log: Callable[[str], None] = print):
+    def __init__(
+        self, cfg: DataConfig, s3_endpoint_url: str = "", log: Callable[[str], None] = print
+    ):
         self.config = cfg
         self.prepared: Prepared = ensure_prepared(cfg.path, cfg.cache_dir, s3_endpoint_url, log)
         meta = self.prepared.meta

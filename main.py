@@ -20,8 +20,9 @@ import re
 import sys
 import traceback
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -31,16 +32,16 @@ from mingpt_ddp.runtime.versions import require_supported_torch
 require_supported_torch()  # before the imports below, which need a recent torch
 
 import torch
-
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf.errors import OmegaConfBaseException
 
-from mingpt_ddp.config import schema as config
 from char_dataset import CharDataset, DataConfig, DatasetError
-from mingpt_ddp.errors import ConfigError
 from data.fetch_shakespeare import FetchError, ensure_tinyshakespeare
+from mingpt_ddp.config import schema as config
+from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.parallel.plan import choose_precision
 from mingpt_ddp.runtime.distributed import (
     DistContext,
     all_gather_objects,
@@ -57,9 +58,8 @@ from mingpt_ddp.runtime.distributed import (
     teardown_distributed,
 )
 from mingpt_ddp.snapshots.lease import LeaseError
-from model import GPT
-from mingpt_ddp.parallel.plan import choose_precision
 from mingpt_ddp.snapshots.store import SnapshotError, SnapshotStore
+from model import GPT
 from trainer import Trainer
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -108,7 +108,9 @@ def fetch_default_corpus(cfg: DataConfig, ctx: DistContext) -> None:
         try:
             ensure_tinyshakespeare(cfg.path)
         except FetchError as e:
-            raise FetchError(f"data_config.path: {e}; download it by hand or set data_config.path=<a UTF-8 file>") from None
+            raise FetchError(
+                f"data_config.path: {e}; download it by hand or set data_config.path=<a UTF-8 file>"
+            ) from None
 
 
 def take_snapshot_path(store: SnapshotStore, ttl_s: float, ctx: DistContext) -> None:
@@ -118,9 +120,13 @@ def take_snapshot_path(store: SnapshotStore, ttl_s: float, ctx: DistContext) -> 
     (or a new rank 0 after an elastic membership change) takes its own lease back at once."""
     if ttl_s <= 0:
         return  # trainer_config.lease_ttl_s=0: no lease, no fencing (docs/snapshots.md)
-    how = on_all_ranks(lambda: store.acquire(ctx.run_id or uuid.uuid4().hex[:12], ttl_s) if ctx.is_main else "")
+    how = on_all_ranks(
+        lambda: store.acquire(ctx.run_id or uuid.uuid4().hex[:12], ttl_s) if ctx.is_main else ""
+    )
     store.generation = all_gather_objects(store.generation)[0]
-    print0(f"lease | {store.url} | generation {store.generation} | {how} | renewed every {ttl_s / 4:g} s")
+    print0(
+        f"lease | {store.url} | generation {store.generation} | {how} | renewed every {ttl_s / 4:g} s"
+    )
 
 
 @dataclass
@@ -168,10 +174,20 @@ def build_trainer(job, ctx: DistContext, store: SnapshotStore) -> Trainer:
     on_all_ranks(lambda: fetch_default_corpus(data_cfg, ctx))
     dataset = load_dataset(data_cfg, tcfg)
     gpt_cfg.vocab_size, gpt_cfg.block_size = dataset.vocab_size, data_cfg.block_size
-    torch.manual_seed(tcfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
+    torch.manual_seed(
+        tcfg.seed
+    )  # same initial weights on every rank (DDP also broadcasts rank 0's)
     run_config = {name: config.to_dict(getattr(job, name)) for name in config.sections()}
-    trainer = Trainer(GPT(gpt_cfg), dataset, tcfg, job.optimizer_config, ctx, run_config, store,
-                      job.deepspeed_config)
+    trainer = Trainer(
+        GPT(gpt_cfg),
+        dataset,
+        tcfg,
+        job.optimizer_config,
+        ctx,
+        run_config,
+        store,
+        job.deepspeed_config,
+    )
     if ctx.distributed:  # (a sweep's jobs are single processes: nothing to keep between them)
         _KEEP_UNTIL_EXIT.append(trainer)
     # Probe the destination now, not at the first save an hour in: rank 0 writes single-file
@@ -190,22 +206,28 @@ def announce_job(ctx: DistContext, tcfg) -> None:
     allocator = keep_freed_cpu_memory(ctx.device, tcfg.cpu_keep_freed_memory)
     use_amp, amp_dtype, why = choose_precision(tcfg.use_amp, tcfg.amp_dtype, ctx.device)
     backend = torch.distributed.get_backend() if ctx.distributed else "none"
-    print0(f"job | world size {ctx.world_size} | backend {backend} | device {ctx.device} | "
-           f"{threads} CPU threads per rank | restart {ctx.restart_count} | seed {tcfg.seed} | "
-           f"precision {amp_dtype + ' mixed' if use_amp else 'fp32'} ({why})"
-           f"{' | ' + allocator if allocator else ''}")
+    print0(
+        f"job | world size {ctx.world_size} | backend {backend} | device {ctx.device} | "
+        f"{threads} CPU threads per rank | restart {ctx.restart_count} | seed {tcfg.seed} | "
+        f"precision {amp_dtype + ' mixed' if use_amp else 'fp32'} ({why})"
+        f"{' | ' + allocator if allocator else ''}"
+    )
     if ctx.restart_count and ctx.is_main:
-        print0(f"restart | torchrun restarted the workers (TORCHELASTIC_RESTART_COUNT={ctx.restart_count}) "
-               f"| {previous_attempt_report(ctx) or 'no report from the previous attempt'}")
+        print0(
+            f"restart | torchrun restarted the workers (TORCHELASTIC_RESTART_COUNT={ctx.restart_count}) "
+            f"| {previous_attempt_report(ctx) or 'no report from the previous attempt'}"
+        )
 
 
 def load_dataset(data_cfg: DataConfig, tcfg) -> CharDataset:
     """Every rank opens the prepared token file; the first to need it prepares it while the others
     on its node (or on a shared cache_dir) wait on a file lock (mingpt_ddp/corpus/prepare.py)."""
     dataset = on_all_ranks(lambda: CharDataset(data_cfg, tcfg.s3_endpoint_url, log=print0))
-    print0(f"data | {data_cfg.path} | {dataset.num_tokens:,} characters | vocabulary {dataset.vocab_size} "
-           f"| {len(dataset.train):,} train / {len(dataset.val):,} val windows of {data_cfg.block_size} "
-           f"| {dataset.prepared.meta['dtype']} ids in {dataset.prepared.directory}")
+    print0(
+        f"data | {data_cfg.path} | {dataset.num_tokens:,} characters | vocabulary {dataset.vocab_size} "
+        f"| {len(dataset.train):,} train / {len(dataset.val):,} val windows of {data_cfg.block_size} "
+        f"| {dataset.prepared.meta['dtype']} ids in {dataset.prepared.directory}"
+    )
     return dataset
 
 
@@ -223,7 +245,8 @@ def to_job(cfg: DictConfig) -> Any:
 def compose(overrides: list[str]) -> Any:
     """The config main.py would run with these overrides, without main.py's command line (for
     other entry points: tutorials/spawn_launch.py, tests)."""
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
 
     with initialize_config_dir(config_dir=REPO, version_base=None):
         return hydra_compose(config_name="gpt2_train_cfg", overrides=overrides)
@@ -234,14 +257,18 @@ def give_sweep_job_its_own_directory(cfg: DictConfig) -> str:
     runs/sweep/<its overrides>), so jobs never share snapshots, metrics or TensorBoard events and a
     rerun of the sweep resumes each from its own. Returns a problem, or "" if none."""
     if launched_with_ranks():
-        return ("--multirun under torchrun would run every rank's sweep in lockstep through one process group; "
-                "run sweeps as python main.py --multirun ... (one process per job), or one torchrun per setting")
+        return (
+            "--multirun under torchrun would run every rank's sweep in lockstep through one process group; "
+            "run sweeps as python main.py --multirun ... (one process per job), or one torchrun per setting"
+        )
     job_dir = HydraConfig.get().runtime.output_dir
     tcfg = cfg.trainer_config
     for key in ("snapshot_path", "metrics_path"):
         if tcfg[key] and tcfg[key] != "none" and job_dir not in os.path.abspath(tcfg[key]):
-            return (f"trainer_config.{key}={tcfg[key]} would be shared by every job of this sweep; leave it "
-                    f"empty (each job's goes under its own trainer_config.run_dir) or build it from the run_dir")
+            return (
+                f"trainer_config.{key}={tcfg[key]} would be shared by every job of this sweep; leave it "
+                f"empty (each job's goes under its own trainer_config.run_dir) or build it from the run_dir"
+            )
     tcfg.run_dir = job_dir
     return ""
 
@@ -269,7 +296,9 @@ def train_job(cfg: DictConfig) -> float:
     sweep = HydraConfig.get().mode == RunMode.MULTIRUN
     problem = give_sweep_job_its_own_directory(cfg) if sweep else ""
     if problem:  # refused before any job: rank 0 says why and fails; under torchrun the other ranks
-        print0(f"error: {problem}", file=sys.stderr)  # leave quietly, so none is killed before it speaks
+        print0(
+            f"error: {problem}", file=sys.stderr
+        )  # leave quietly, so none is killed before it speaks
         raise SystemExit(1 if is_main_process() else 0)
     try:
         outcome = run(to_job(cfg))
@@ -295,9 +324,13 @@ def hydra_error_line(e: Exception) -> str:
     Hydra's own words (the key and its problem)."""
     plugin = re.search(r"Could not find '(hydra/(?:launcher|sweeper))/([\w-]+)'", str(e))
     if plugin:  # Hydra's launchers and sweepers are plugins, in the [sweeps] extra
-        return (f"error: {plugin[1]}={plugin[2]} is not installed; Hydra's joblib and submitit launchers "
-                "and Optuna sweeper come with: pip install -e '.[sweeps]'")
-    for cause in _causes(e):  # OmegaConf's "Key 'max_step' not in 'TrainerConfig'", with its full_key
+        return (
+            f"error: {plugin[1]}={plugin[2]} is not installed; Hydra's joblib and submitit launchers "
+            "and Optuna sweeper come with: pip install -e '.[sweeps]'"
+        )
+    for cause in _causes(
+        e
+    ):  # OmegaConf's "Key 'max_step' not in 'TrainerConfig'", with its full_key
         if getattr(cause, "full_key", "") and re.match(r"Key '[^']*' not in ", str(cause)):
             return f"error: {config.unknown_key_error(cause.full_key)}"
     return "\n".join(str(c).strip() for c in _causes(e)[:2])  # Hydra's words and OmegaConf's
@@ -332,7 +365,9 @@ def cli() -> None:
             raise
         print0(hydra_error_line(e), file=sys.stderr)
         code = 1
-    except SystemExit as e:  # a single run's code, a stop signal, or Hydra's after it reported an error
+    except (
+        SystemExit
+    ) as e:  # a single run's code, a stop signal, or Hydra's after it reported an error
         code = e.code if isinstance(e.code, int) else 1
     except KeyboardInterrupt:  # a second Ctrl-C / SIGTERM: stop now, without a snapshot
         code = 130
@@ -348,7 +383,9 @@ def stop_sweep_workers() -> None:
     reuse for 5 minutes; left running, they hold this process's stdout open that long, and
     whatever reads it (a pipe, a test) waits for them."""
     loky = sys.modules.get("joblib.externals.loky.reusable_executor")
-    executor = getattr(loky, "_executor", None)  # the one executor joblib reuses (loky's module global)
+    executor = getattr(
+        loky, "_executor", None
+    )  # the one executor joblib reuses (loky's module global)
     if executor is not None:
         executor.shutdown(wait=True)
         atexit._run_exitfuncs()  # joblib's: remove its shared-memory folder (exit_process skips them)

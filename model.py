@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -33,15 +31,21 @@ class Rotary:
     positions, not on where they are. No parameters; the rotations are computed once per device."""
 
     def __init__(self, head_size: int, block_size: int, base: float = 10000.0):
-        self.freqs = base ** (-torch.arange(0, head_size, 2, dtype=torch.float32) / head_size)  # (hs/2,)
+        self.freqs = base ** (
+            -torch.arange(0, head_size, 2, dtype=torch.float32) / head_size
+        )  # (hs/2,)
         self.block_size = block_size
         self.tables: dict[torch.device, torch.Tensor] = {}
 
     def __call__(self, T: int, device: torch.device) -> torch.Tensor:
         """e^(i * position * frequency) for each position and channel pair: (T, 1, 1, hs/2) complex."""
         if device not in self.tables:
-            angles = torch.outer(torch.arange(self.block_size, dtype=torch.float32), self.freqs)  # (block, hs/2)
-            self.tables[device] = torch.polar(torch.ones_like(angles), angles)[:, None, None].to(device)
+            angles = torch.outer(
+                torch.arange(self.block_size, dtype=torch.float32), self.freqs
+            )  # (block, hs/2)
+            self.tables[device] = torch.polar(torch.ones_like(angles), angles)[:, None, None].to(
+                device
+            )
         return self.tables[device][:T]
 
 
@@ -74,8 +78,12 @@ class CausalSelfAttention(nn.Module):
         qkv = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head)
         qk, v = qkv[:, :, :2], qkv[:, :, 2]  # (B, T, 2, nh, hs): queries and keys, treated alike
         if self.qk_norm or rope is not None:
-            qk = qk.float()  # in fp32: the complex rotation needs it, and CPUs' bf16 elementwise ops are slow
-            if self.qk_norm:  # unit RMS per head: a logit q.k/sqrt(hs) can then not grow without bound
+            qk = (
+                qk.float()
+            )  # in fp32: the complex rotation needs it, and CPUs' bf16 elementwise ops are slow
+            if (
+                self.qk_norm
+            ):  # unit RMS per head: a logit q.k/sqrt(hs) can then not grow without bound
                 qk = F.rms_norm(qk, (qk.size(-1),))
             if rope is not None:
                 qk = rotate(qk, rope)
@@ -89,8 +97,12 @@ class CausalSelfAttention(nn.Module):
         # 0/1 tril matrix passed as attn_mask would be *added* to the scores and
         # mask nothing; a boolean mask or is_causal is what hides the future.)
         dropout_p = self.attn_dropout if self.training else 0.0
-        with torch.autocast(x.device.type, enabled=False) if fp32 else nullcontext():  # the matmuls stay in autocast
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)  # (B, nh, T, hs)
+        with (
+            torch.autocast(x.device.type, enabled=False) if fp32 else nullcontext()
+        ):  # the matmuls stay in autocast
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout_p, is_causal=True
+            )  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads: (B, T, C)
         return self.resid_dropout(self.proj(y))
 
@@ -104,7 +116,9 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.proj(self.activation(self.fc(x))))  # (B, T, C) -> (B, T, 4C) -> (B, T, C)
+        return self.dropout(
+            self.proj(self.activation(self.fc(x)))
+        )  # (B, T, C) -> (B, T, 4C) -> (B, T, C)
 
 
 class Block(nn.Module):
@@ -126,7 +140,9 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         if cfg.vocab_size <= 0 or cfg.block_size <= 0:
-            raise ConfigError("GPTConfig.vocab_size and block_size must be set (from the dataset) before building GPT")
+            raise ConfigError(
+                "GPTConfig.vocab_size and block_size must be set (from the dataset) before building GPT"
+            )
         self.config = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)  # token embedding
         # Where a token is: a learned vector per position added to the input, or (rotary) a rotation of
@@ -150,7 +166,9 @@ class GPT(nn.Module):
         # every block starts as the identity and the first prediction is uniform.
         for name, p in self.named_parameters():
             if cfg.zero_init_proj and (name.endswith("proj.weight") or name == "lm_head.weight"):
-                nn.init.zeros_(p)  # a tied head is wte, which named_parameters() lists only under that name
+                nn.init.zeros_(
+                    p
+                )  # a tied head is wte, which named_parameters() lists only under that name
             elif name.endswith("proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
@@ -178,11 +196,15 @@ class GPT(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T = idx.shape
         if T > self.config.block_size:
-            raise ValueError(f"sequence of length {T} is longer than block_size {self.config.block_size}")
+            raise ValueError(
+                f"sequence of length {T} is longer than block_size {self.config.block_size}"
+            )
         x = self.wte(idx)  # (B, T, C)
         if self.wpe is not None:
             x = x + self.wpe(torch.arange(T, device=idx.device))  # (B, T, C) + (T, C) broadcast
-        rope = self.rotary(T, idx.device) if self.rotary is not None else None  # (T, 1, 1, hs/2) complex
+        rope = (
+            self.rotary(T, idx.device) if self.rotary is not None else None
+        )  # (T, 1, 1, hs/2) complex
         x = self.drop(x)
         for block in self.blocks:
             x = block(x, rope)  # (B, T, C)
@@ -217,9 +239,13 @@ class GPT(nn.Module):
         was_training = self.training
         self.eval()
         for _ in range(max_new_tokens):
-            context = idx[:, -self.config.block_size :]  # (B, <=block_size): the model sees at most block_size tokens
+            context = idx[
+                :, -self.config.block_size :
+            ]  # (B, <=block_size): the model sees at most block_size tokens
             logits, _ = self(context)
-            logits = logits[:, -1, :].float() / temperature  # (B, V): only the last position predicts the next token
+            logits = (
+                logits[:, -1, :].float() / temperature
+            )  # (B, V): only the last position predicts the next token
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]  # (B, 1)
                 logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -24,7 +24,9 @@ def pyplot():
     try:
         import matplotlib
     except ImportError:
-        sys.exit('error: plotting needs matplotlib: pip install -e ".[plot]" (or pip install matplotlib)')
+        sys.exit(
+            'error: plotting needs matplotlib: pip install -e ".[plot]" (or pip install matplotlib)'
+        )
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -38,16 +40,31 @@ def plot_runs(paths: list[str], out: str, title: str = "") -> str:
     for i, path in enumerate(paths):
         records = MetricsLog.read(path)
         if not records:
-            sys.exit(f"error: {path} has no logged steps; point plot.py at a trainer_config.metrics_path file")
+            sys.exit(
+                f"error: {path} has no logged steps; point plot.py at a trainer_config.metrics_path file"
+            )
         label = os.path.basename(os.path.dirname(os.path.abspath(path))) if len(paths) > 1 else ""
         color = f"C{i}"
         steps = [r["step"] for r in records]
-        ax_loss.plot(steps, [r["train_loss"] for r in records], color=color, alpha=0.5,
-                     label=f"{label} train".strip())
+        ax_loss.plot(
+            steps,
+            [r["train_loss"] for r in records],
+            color=color,
+            alpha=0.5,
+            label=f"{label} train".strip(),
+        )
         evals = [r for r in records if "val_loss" in r]
-        ax_loss.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], color=color, marker="o",
-                     markersize=3, label=f"{label} val".strip())
-        ax_speed.plot(steps, [r["tokens_per_sec"] / 1e3 for r in records], color=color, label=label or None)
+        ax_loss.plot(
+            [r["step"] for r in evals],
+            [r["val_loss"] for r in evals],
+            color=color,
+            marker="o",
+            markersize=3,
+            label=f"{label} val".strip(),
+        )
+        ax_speed.plot(
+            steps, [r["tokens_per_sec"] / 1e3 for r in records], color=color, label=label or None
+        )
     ax_loss.set(xlabel="step", ylabel="cross-entropy loss (nats/char)", title="loss")
     ax_loss.legend()
     ax_loss.grid(alpha=0.3)
@@ -71,10 +88,14 @@ def plot_benchmark(rows: list[dict], out: str, title: str) -> str:
     values = [r["tokens_per_sec"] / 1e3 for r in rows][::-1]
     bars = ax.barh(names, values, color="C0")
     for bar, r in zip(bars, rows[::-1]):
-        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
-                f" {r['ms_per_step']:.1f} ms/step, MFU {100 * r['mfu']:.0f}%"
-                + ("" if r.get("precision", "fp32") == "fp32" else f" of {r['precision']} peak"),
-                va="center", fontsize=8)
+        ax.text(
+            bar.get_width(),
+            bar.get_y() + bar.get_height() / 2,
+            f" {r['ms_per_step']:.1f} ms/step, MFU {100 * r['mfu']:.0f}%"
+            + ("" if r.get("precision", "fp32") == "fp32" else f" of {r['precision']} peak"),
+            va="center",
+            fontsize=8,
+        )
     ax.set(xlabel="thousand tokens/s (higher is better)", title=title)
     ax.set_xlim(0, max(values) * 1.45)
     ax.grid(axis="x", alpha=0.3)
@@ -85,14 +106,22 @@ def plot_benchmark(rows: list[dict], out: str, title: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Plot loss curves and tokens/s from metrics files.")
-    parser.add_argument("metrics", nargs="+", help="metrics.jsonl files (trainer_config.metrics_path)")
-    parser.add_argument("-o", "--out", default="", help="PNG to write (default: metrics.png beside the first file)")
+    parser = argparse.ArgumentParser(
+        description="Plot loss curves and tokens/s from metrics files."
+    )
+    parser.add_argument(
+        "metrics", nargs="+", help="metrics.jsonl files (trainer_config.metrics_path)"
+    )
+    parser.add_argument(
+        "-o", "--out", default="", help="PNG to write (default: metrics.png beside the first file)"
+    )
     parser.add_argument("--title", default="")
     args = parser.parse_args(argv)
     for path in args.metrics:
         if not os.path.exists(path):
-            sys.exit(f"error: no metrics file at {path}; train first or pass trainer_config.metrics_path's value")
+            sys.exit(
+                f"error: no metrics file at {path}; train first or pass trainer_config.metrics_path's value"
+            )
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.metrics[0])), "metrics.png")
     if importlib.util.find_spec("matplotlib") is None:  # the light install: a chart in the terminal
         print(text_chart(args.metrics))
@@ -108,11 +137,15 @@ def text_chart(paths: list[str], width: int = 50) -> str:
     for path in paths:
         evals = [r for r in MetricsLog.read(path) if "val_loss" in r]
         if not evals:
-            sys.exit(f"error: {path} has no evaluations yet; point plot.py at a trainer_config.metrics_path file")
+            sys.exit(
+                f"error: {path} has no evaluations yet; point plot.py at a trainer_config.metrics_path file"
+            )
         top = max(r["val_loss"] for r in evals)
         lines.append(f"val loss | {path}")
-        lines += [f"step {r['step']:>7} | {r['val_loss']:.4f} | {'#' * max(1, round(width * r['val_loss'] / top))}"
-                  for r in evals]
+        lines += [
+            f"step {r['step']:>7} | {r['val_loss']:.4f} | {'#' * max(1, round(width * r['val_loss'] / top))}"
+            for r in evals
+        ]
     return "\n".join(lines)
 
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -42,35 +43,61 @@ from model import GPT
 
 
 class Trainer:
-    def __init__(self, model: GPT, dataset: CharDataset, trainer_cfg: TrainerConfig,
-                 optim_cfg: OptimizerConfig, ctx: DistContext, run_config: dict[str, Any],
-                 store: SnapshotStore, deepspeed_cfg: DeepSpeedConfig | None = None):
+    def __init__(
+        self,
+        model: GPT,
+        dataset: CharDataset,
+        trainer_cfg: TrainerConfig,
+        optim_cfg: OptimizerConfig,
+        ctx: DistContext,
+        run_config: dict[str, Any],
+        store: SnapshotStore,
+        deepspeed_cfg: DeepSpeedConfig | None = None,
+    ):
         self.cfg, self.optim_cfg, self.ctx, self.store = trainer_cfg, optim_cfg, ctx, store
         self.dataset, self.run_config, self.device = dataset, run_config, ctx.device
         c, self.control = trainer_cfg, ControlPlane()
         if len(dataset.train) < ctx.world_size * c.batch_size:
-            raise ConfigError(f"the training region has {len(dataset.train)} windows, fewer than one "
-                              f"global batch (batch_size {c.batch_size} x world size {ctx.world_size}); "
-                              "use more text or a smaller trainer_config.batch_size")
+            raise ConfigError(
+                f"the training region has {len(dataset.train)} windows, fewer than one "
+                f"global batch (batch_size {c.batch_size} x world size {ctx.world_size}); "
+                "use more text or a smaller trainer_config.batch_size"
+            )
         plan = Plan.of(c, ctx.device)  # parallelism and precision ("auto" decided for this device)
         set_tf32(plan, self.device)
-        self.num_params = model.num_params()  # counted now: ZeRO-3 empties the parameters it partitions
+        self.num_params = (
+            model.num_params()
+        )  # counted now: ZeRO-3 empties the parameters it partitions
         self.accum_steps = c.grad_accum_steps  # may change on resume at another world size
-        args = StrategyArgs(plan, ctx, optim_cfg, c.batch_size, self.accum_steps, self.control,
-                            deepspeed_cfg or DeepSpeedConfig())
+        args = StrategyArgs(
+            plan,
+            ctx,
+            optim_cfg,
+            c.batch_size,
+            self.accum_steps,
+            self.control,
+            deepspeed_cfg or DeepSpeedConfig(),
+        )
         self.strategy = build_strategy(c.parallel, model.to(self.device), args)
         self.model = self.strategy.model  # the plain module (under FSDP: sharded in place)
         self.layout = self.strategy.layout  # how snapshots of this run are written
         self.data_cursor = DataCursor(len(dataset.train), ctx.world_size, ctx.rank, c.seed)
         self.step = 0
         self.data_seconds = 0.0  # time spent preparing batches since the last log line
-        self.last_val_loss: float | None = None  # of the latest evaluation; saved: a rerun knows a target was met
+        self.last_val_loss: float | None = (
+            None  # of the latest evaluation; saved: a rerun knows a target was met
+        )
         # Each rank gets its own random stream (dropout must differ across ranks'
         # different samples); all streams follow from the one configured seed.
         torch.manual_seed(c.seed + ctx.rank)
-        self.metrics = MetricsLog(c.metrics_file if ctx.is_main else "",
-                                  c.tensorboard_dir if ctx.is_main else "", still_owner=store.owns_path)
-        self.stops = StopSignals(c.collective_timeout_s)  # SIGTERM/SIGINT: finish the step, snapshot, exit
+        self.metrics = MetricsLog(
+            c.metrics_file if ctx.is_main else "",
+            c.tensorboard_dir if ctx.is_main else "",
+            still_owner=store.owns_path,
+        )
+        self.stops = StopSignals(
+            c.collective_timeout_s
+        )  # SIGTERM/SIGINT: finish the step, snapshot, exit
         self._trace = None
         if c.trace_samples_path:
             os.makedirs(c.trace_samples_path, exist_ok=True)
@@ -85,21 +112,29 @@ class Trainer:
     # ------------------------------------------------------------ snapshot state
     def identity(self) -> dict[str, Any]:
         """What a snapshot must match to be resumed here: model shape, optimizer, vocabulary."""
-        return {"gpt_config": vars(self.model.config), "optimizer": self.optim_cfg.optimizer,
-                "vocab": self.dataset.tokenizer.chars}
+        return {
+            "gpt_config": vars(self.model.config),
+            "optimizer": self.optim_cfg.optimizer,
+            "vocab": self.dataset.tokenizer.chars,
+        }
 
     def check_layout(self, snapshot, where: str) -> None:
         self.strategy.check_snapshot(snapshot, where)
 
     def meta_state(self) -> dict[str, Any]:
         """Everything but the tensors, needed to continue exactly; collective (gathers RNG states)."""
-        rng = self.control.gather({
-            "cpu": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
-        })
+        rng = self.control.gather(
+            {
+                "cpu": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state(self.device)
+                if self.device.type == "cuda"
+                else None,
+            }
+        )
         return {
             "format_version": 3,  # 3: data position as a DataCursor state
-            "step": self.step, "data_cursor": self.data_cursor.state_dict(),
+            "step": self.step,
+            "data_cursor": self.data_cursor.state_dict(),
             "val_loss": self.last_val_loss,
             "world_size": self.ctx.world_size,
             "global_batch": self.cfg.batch_size * self.ctx.world_size * self.accum_steps,
@@ -141,17 +176,25 @@ class Trainer:
             self._keep_global_batch(state["global_batch"])
 
     def position(self) -> str:
-        return (f"step {self.step} | epoch {self.data_cursor.epoch} | "
-                f"{self.data_cursor.samples_consumed} samples into the epoch | "
-                f"saved at world size {self._saved_world_size}, now {self.ctx.world_size}")
+        return (
+            f"step {self.step} | epoch {self.data_cursor.epoch} | "
+            f"{self.data_cursor.samples_consumed} samples into the epoch | "
+            f"saved at world size {self._saved_world_size}, now {self.ctx.world_size}"
+        )
 
     def _load_data_cursor(self, state: dict[str, Any]) -> None:
-        cursor = state.get("data_cursor") or {"epoch": state["epoch"],
-                                              "samples_consumed": state["samples_consumed"]}
-        if cursor.get("order") != DataCursor.ORDER:  # from before the order was a Feistel permutation
-            warn0(f"the snapshot walked epoch {cursor['epoch']} in another order; the rest of that epoch "
-                  "follows this version's order, so some of its windows may repeat or be skipped "
-                  "(later epochs are exact)")
+        cursor = state.get("data_cursor") or {
+            "epoch": state["epoch"],
+            "samples_consumed": state["samples_consumed"],
+        }
+        if (
+            cursor.get("order") != DataCursor.ORDER
+        ):  # from before the order was a Feistel permutation
+            warn0(
+                f"the snapshot walked epoch {cursor['epoch']} in another order; the rest of that epoch "
+                "follows this version's order, so some of its windows may repeat or be skipped "
+                "(later epochs are exact)"
+            )
         self.data_cursor.load_state_dict(cursor)
 
     def _keep_global_batch(self, global_batch: int) -> None:
@@ -159,19 +202,31 @@ class Trainer:
         learning-rate schedule) by changing gradient accumulation; the per-rank batch stays."""
         per_micro_step = self.cfg.batch_size * self.ctx.world_size
         if global_batch % per_micro_step:
-            warn0(f"global batch {global_batch} is not a multiple of batch_size x world size = "
-                  f"{per_micro_step}; continuing with a global batch of {per_micro_step * self.accum_steps}")
+            warn0(
+                f"global batch {global_batch} is not a multiple of batch_size x world size = "
+                f"{per_micro_step}; continuing with a global batch of {per_micro_step * self.accum_steps}"
+            )
             return
         self.accum_steps = global_batch // per_micro_step
-        print0(f"resume | global batch kept at {global_batch} windows = {self.cfg.batch_size} per rank "
-               f"x {self.ctx.world_size} ranks x {self.accum_steps} accumulation steps")
+        print0(
+            f"resume | global batch kept at {global_batch} windows = {self.cfg.batch_size} per rank "
+            f"x {self.ctx.world_size} ranks x {self.accum_steps} accumulation steps"
+        )
 
     # --------------------------------------------------------------------- data
     def _next_batch(self) -> Batch:
         starts = self.data_cursor.next_starts(self.cfg.batch_size)  # (B,) this rank's window starts
         if self._trace is not None:
-            self._trace.write(json.dumps({"step": self.step + 1, "epoch": self.data_cursor.epoch,
-                                          "starts": starts.tolist()}) + "\n")
+            self._trace.write(
+                json.dumps(
+                    {
+                        "step": self.step + 1,
+                        "epoch": self.data_cursor.epoch,
+                        "starts": starts.tolist(),
+                    }
+                )
+                + "\n"
+            )
             self._trace.flush()
         return self._to_device(self.dataset.train.ids(starts))
 
@@ -199,15 +254,22 @@ class Trainer:
         """Mean validation loss over a fixed, evenly spaced set of windows, averaged over all ranks.
         Its cost depends on eval_iters, batch size and world size, not on the corpus."""
         B, W, n_iters = self.cfg.batch_size, self.ctx.world_size, self.cfg.eval_iters
-        starts = self.dataset.val.evenly_spaced(n_iters * B * W)[self.ctx.rank :: W]  # this rank's share
+        starts = self.dataset.val.evenly_spaced(n_iters * B * W)[
+            self.ctx.rank :: W
+        ]  # this rank's share
         val = self.dataset.val
-        return self.strategy.evaluate(self._to_device(val.ids(starts[i * B : (i + 1) * B]))
-                                      for i in range(n_iters))
+        return self.strategy.evaluate(
+            self._to_device(val.ids(starts[i * B : (i + 1) * B])) for i in range(n_iters)
+        )
 
     def _sample(self) -> str:
         tok = self.dataset.tokenizer
-        prompt = tok.encode("\n" if "\n" in tok.stoi else tok.chars[0])[None].to(self.device)  # (1, 1)
-        gen = torch.Generator(self.device).manual_seed(self.cfg.seed)  # own generator: training RNG untouched
+        prompt = tok.encode("\n" if "\n" in tok.stoi else tok.chars[0])[None].to(
+            self.device
+        )  # (1, 1)
+        gen = torch.Generator(self.device).manual_seed(
+            self.cfg.seed
+        )  # own generator: training RNG untouched
         out = self.model.generate(prompt, self.cfg.sample_chars, temperature=0.8, generator=gen)
         return tok.decode(out[0, 1:])
 
@@ -215,7 +277,9 @@ class Trainer:
         """One optimizer step over grad_accum_steps micro-batches; returns this rank's mean loss
         (on device), or None where the strategy computed none (a pipeline's earlier stages)."""
         set_learning_rates(self.strategy.optimizers, self.optim_cfg, self.step, self.cfg.max_steps)
-        loss, committed = self.strategy.train_step(self._batches(self.accum_steps), self.accum_steps)
+        loss, committed = self.strategy.train_step(
+            self._batches(self.accum_steps), self.accum_steps
+        )
         if committed:  # a step the strategy did not apply (torchft rejected it) is not counted
             self.step += 1
         return loss
@@ -257,7 +321,9 @@ class Trainer:
             evaluate = self.step % self.cfg.eval_every == 0 or last
             if self.step % self.cfg.log_every == 0 or evaluate:
                 progress.clear()
-                last = self._log(window, t_start, evaluate) or last  # True: the target loss was reached
+                last = (
+                    self._log(window, t_start, evaluate) or last
+                )  # True: the target loss was reached
             vote = self.checkpointer.save_and_vote(last, self.stop_signal)
             if vote.verdict == Verdict.STOP:
                 progress.clear()
@@ -267,41 +333,56 @@ class Trainer:
             if last:
                 break
         progress.clear()
-        print0(f"done | step {self.step} | {format_duration(time.perf_counter() - t_start)} wall time "
-               f"this run | peak memory per rank {peak_memory(self.device, self.control)}")
+        print0(
+            f"done | step {self.step} | {format_duration(time.perf_counter() - t_start)} wall time "
+            f"this run | peak memory per rank {peak_memory(self.device, self.control)}"
+        )
         return True
 
     def _tokens_per_step(self) -> int:
-        return self.cfg.batch_size * self.model.config.block_size * self.ctx.world_size * self.accum_steps
+        return (
+            self.cfg.batch_size
+            * self.model.config.block_size
+            * self.ctx.world_size
+            * self.accum_steps
+        )
 
     def _announce(self) -> None:
         """The start-up line: what is about to train, how, and for how long."""
         cfg, W, tokens = self.cfg, self.ctx.world_size, self._tokens_per_step()
         epochs = cfg.max_steps * tokens / self.model.config.block_size / len(self.dataset.train)
         mode, precision = self.strategy.describe()
-        print0(f"train | {self.num_params / 1e6:.2f}M parameters | {mode} | {precision}"
-               f"{' + compile' if cfg.compile else ''} | world size {W} | "
-               f"global batch {cfg.batch_size * W * self.accum_steps} windows = {tokens} tokens | "
-               f"steps {self.step}->{cfg.max_steps} (~{epochs:.2f} epochs)")
+        print0(
+            f"train | {self.num_params / 1e6:.2f}M parameters | {mode} | {precision}"
+            f"{' + compile' if cfg.compile else ''} | world size {W} | "
+            f"global batch {cfg.batch_size * W * self.accum_steps} windows = {tokens} tokens | "
+            f"steps {self.step}->{cfg.max_steps} (~{epochs:.2f} epochs)"
+        )
 
     def _report_optimizer_memory(self) -> None:
         """One line: the optimizer state each rank holds, as a mean over the ranks. Under DDP every
         rank holds all of it; ZeRO (any stage) and FSDP split it, 1/N per rank."""
         mine = torch.tensor(float(self.strategy.optimizer_state_bytes()), device=self.device)
         mean = self.control.mean(mine).item()
-        what = "AdamW's 2 moments" + (" + Muon's momentum" if len(self.strategy.optimizers) > 1 else "")
+        what = "AdamW's 2 moments" + (
+            " + Muon's momentum" if len(self.strategy.optimizers) > 1 else ""
+        )
         print0(f"memory | optimizer state {mean / 1e6:.3f} MB per rank ({what}, mean over ranks)")
 
     def _nothing_to_do(self) -> bool:
         """A rerun of a finished run (target met, or max_steps reached) trains nothing."""
         if self._target_reached():
-            print0(f"train | snapshot's val loss {self.last_val_loss:.4f} already meets "
-                   f"trainer_config.target_val_loss {self.cfg.target_val_loss}; nothing to do")
+            print0(
+                f"train | snapshot's val loss {self.last_val_loss:.4f} already meets "
+                f"trainer_config.target_val_loss {self.cfg.target_val_loss}; nothing to do"
+            )
             return True
         if self.step >= self.cfg.max_steps:
-            print0(f"train | snapshot is already at step {self.step} >= max_steps {self.cfg.max_steps}; "
-                   "nothing to do (raise trainer_config.max_steps, or use another "
-                   "trainer_config.run_dir for a new run)")
+            print0(
+                f"train | snapshot is already at step {self.step} >= max_steps {self.cfg.max_steps}; "
+                "nothing to do (raise trainer_config.max_steps, or use another "
+                "trainer_config.run_dir for a new run)"
+            )
             return True
         return False
 
@@ -314,14 +395,21 @@ class Trainer:
         now = time.perf_counter()
         dt_step = (now - window.time) / steps
         eta = (now - t_start) / (step - window.start_step) * (cfg.max_steps - step)
-        record = {"step": step, "epoch": self.data_cursor.epoch, "train_loss": round(train_loss, 6),
-                  "lr": self.strategy.optimizers[0].param_groups[0]["lr"],
-                  "tokens_per_sec": round(self._tokens_per_step() / dt_step, 1),
-                  "ms_per_step": round(1e3 * dt_step, 2), "grad_norm": round(self.strategy.grad_norm(), 4),
-                  "data_ms": round(1e3 * self.data_seconds / steps, 3)}
-        print0(f"step {step:>6}/{cfg.max_steps} | epoch {self.data_cursor.epoch} | loss {train_loss:.4f} | "
-               f"lr {record['lr']:.2e} | {record['tokens_per_sec'] / 1e3:.1f}k tok/s | "
-               f"{record['ms_per_step']:.1f} ms/step | ETA {format_duration(eta)}")
+        record = {
+            "step": step,
+            "epoch": self.data_cursor.epoch,
+            "train_loss": round(train_loss, 6),
+            "lr": self.strategy.optimizers[0].param_groups[0]["lr"],
+            "tokens_per_sec": round(self._tokens_per_step() / dt_step, 1),
+            "ms_per_step": round(1e3 * dt_step, 2),
+            "grad_norm": round(self.strategy.grad_norm(), 4),
+            "data_ms": round(1e3 * self.data_seconds / steps, 3),
+        }
+        print0(
+            f"step {step:>6}/{cfg.max_steps} | epoch {self.data_cursor.epoch} | loss {train_loss:.4f} | "
+            f"lr {record['lr']:.2e} | {record['tokens_per_sec'] / 1e3:.1f}k tok/s | "
+            f"{record['ms_per_step']:.1f} ms/step | ETA {format_duration(eta)}"
+        )
         reached = evaluate and self._evaluate_and_report(record)
         self.metrics.write(record)
         window.reset(step)
@@ -340,6 +428,8 @@ class Trainer:
         print0(line)
         reached = self._target_reached()  # every rank has the same all-reduced loss: all stop here
         if reached:
-            print0(f"target | val loss {record['val_loss']:.4f} <= trainer_config.target_val_loss "
-                   f"{self.cfg.target_val_loss} at step {self.step} | stopping")
+            print0(
+                f"target | val loss {record['val_loss']:.4f} <= trainer_config.target_val_loss "
+                f"{self.cfg.target_val_loss} at step {self.step} | stopping"
+            )
         return reached

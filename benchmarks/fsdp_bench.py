@@ -63,13 +63,14 @@ def worker(args) -> None:
                       SnapshotStore(args.snapshots))
     trainer.train_step()  # warm-up; creates the optimizer state
     x, y = trainer._next_batch()
-    with trainer._autocast():
-        loss = trainer.model(x, y)[1]
+    strategy = trainer.strategy
+    with strategy.precision_context():
+        loss = strategy.train_model(x, y)[1]
     loss.backward()  # gradients exist now: measure what this rank holds
-    params = list(trainer.raw_model.parameters())
+    params = list(trainer.model.parameters())
     mem = {"params": local_bytes(params), "grads": local_bytes(p.grad for p in params),
-           "optimizer": local_bytes(state_tensors(trainer.optimizers))}
-    for optimizer in trainer.optimizers:
+           "optimizer": local_bytes(state_tensors(strategy.optimizers))}
+    for optimizer in strategy.optimizers:
         optimizer.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
     for _ in range(args.steps):
@@ -82,7 +83,7 @@ def worker(args) -> None:
     per_rank = all_gather_objects(sum(mem.values()))
     if ctx.is_main:
         print("RESULT " + json.dumps({
-            "params_M": round(sum(p.numel() for p in trainer.raw_model.parameters()) / 1e6, 2),
+            "params_M": round(sum(p.numel() for p in trainer.model.parameters()) / 1e6, 2),
             "mem_MB_rank0": round(sum(mem.values()) / 1e6, 1), "mem_MB_max_rank": round(max(per_rank) / 1e6, 1),
             **{f"{k}_MB": round(v / 1e6, 1) for k, v in mem.items()},
             "ms_per_step": round(1e3 * dt, 1), "tokens_per_sec": round(global_batch * 64 / dt),

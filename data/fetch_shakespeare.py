@@ -17,11 +17,15 @@ import sys
 import urllib.request
 
 # The usual public copy; TINYSHAKESPEARE_URL points elsewhere (a mirror, or file:///... on offline machines).
-URL = os.environ.get("TINYSHAKESPEARE_URL",
-                     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt")
+URL = os.environ.get(
+    "TINYSHAKESPEARE_URL",
+    "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt",
+)
 SIZE = 1_115_394
 SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
-DEFAULT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tinyshakespeare", "input.txt")
+DEFAULT_PATH = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "tinyshakespeare", "input.txt"
+)
 
 
 class FetchError(RuntimeError):
@@ -36,7 +40,9 @@ def _read_source(source: str, timeout_s: float) -> bytes:
         return response.read()
 
 
-def ensure_tinyshakespeare(dest: str = DEFAULT_PATH, source: str = URL, timeout_s: float = 20.0) -> str:
+def ensure_tinyshakespeare(
+    dest: str = DEFAULT_PATH, source: str = URL, timeout_s: float = 20.0
+) -> str:
     """Make sure `dest` holds tiny Shakespeare, fetching it from `source` (URL or local file) if missing."""
     if os.path.exists(dest):
         return dest
@@ -45,7 +51,9 @@ def ensure_tinyshakespeare(dest: str = DEFAULT_PATH, source: str = URL, timeout_
     except OSError as e:
         raise FetchError(f"cannot fetch tiny Shakespeare from {source} ({e})") from None
     if len(data) != SIZE or hashlib.sha256(data).hexdigest() != SHA256:
-        raise FetchError(f"{source} is not tiny Shakespeare ({len(data)} bytes, expected {SIZE} with sha256 {SHA256})")
+        raise FetchError(
+            f"{source} is not tiny Shakespeare ({len(data)} bytes, expected {SIZE} with sha256 {SHA256})"
+        )
     os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
     tmp = f"{dest}.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:
@@ -62,8 +70,11 @@ def main() -> int:
     try:
         path = ensure_tinyshakespeare(args.dest, args.source)
     except (FetchError, OSError) as e:
-        hint = "; offline, copy input.txt here by hand or pass --source /path/to/input.txt" \
-            if args.source == URL else ""
+        hint = (
+            "; offline, copy input.txt here by hand or pass --source /path/to/input.txt"
+            if args.source == URL
+            else ""
+        )
         print(f"error: {e}{hint}", file=sys.stderr)
         return 1
     print(f"tiny Shakespeare ready at {path} ({SIZE:,} bytes, sha256 verified)")

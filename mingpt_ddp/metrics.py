@@ -15,7 +15,7 @@ import os
 import resource
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -30,7 +30,9 @@ def format_duration(seconds: float) -> str:
 class MetricsLog:
     """Append-only JSON lines on a local path (an empty path disables it), optionally mirrored to TensorBoard."""
 
-    def __init__(self, path: str, tensorboard_dir: str = "", still_owner: Callable[[], bool] = lambda: True):
+    def __init__(
+        self, path: str, tensorboard_dir: str = "", still_owner: Callable[[], bool] = lambda: True
+    ):
         self.path = path
         # The run's history has one writer, the job holding the snapshot path's lease: a job that lost
         # it (paused past its lease, then woken) writes nothing more here.
@@ -77,7 +79,9 @@ class MetricsLog:
         os.replace(tmp, self.path)
 
     def _open_tensorboard(self, purge_step: int | None = None) -> None:
-        from torch.utils.tensorboard import SummaryWriter  # TrainerConfig checked that it is installed
+        from torch.utils.tensorboard import (
+            SummaryWriter,  # TrainerConfig checked that it is installed
+        )
 
         if self.tensorboard is not None:
             self.tensorboard.close()
@@ -145,4 +149,8 @@ def peak_memory(device: torch.device, control) -> str:
     host_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
     gpu_mb = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
     host_mb, gpu_mb = (max(values) for values in zip(*control.gather((host_mb, gpu_mb))))
-    return f"{host_mb:.0f} MiB host" + (f", {gpu_mb:.0f} MiB GPU" if gpu_mb else "") + " (largest rank)"
+    return (
+        f"{host_mb:.0f} MiB host"
+        + (f", {gpu_mb:.0f} MiB GPU" if gpu_mb else "")
+        + " (largest rank)"
+    )

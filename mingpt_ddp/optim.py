@@ -23,13 +23,13 @@ hold the peak, then a straight line down to min_lr over the last decay_frac of t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from mingpt_ddp.config.optimizer import OptimizerConfig
 from mingpt_ddp.errors import ConfigError
+
 
 class Muon(torch.optim.Muon):
     """torch.optim.Muon with one change: the Newton-Schulz iterations of all matrices of one shape run
@@ -43,7 +43,9 @@ class Muon(torch.optim.Muon):
             raise ValueError("this Muon does not take a closure")
         for group in self.param_groups:
             if group["adjust_lr_fn"] not in (None, "original"):
-                raise ValueError("this Muon scales the learning rate as torch's default (adjust_lr_fn=None) only")
+                raise ValueError(
+                    "this Muon scales the learning rate as torch's default (adjust_lr_fn=None) only"
+                )
             momentum, lr, decay = group["momentum"], group["lr"], group["weight_decay"]
             by_shape: dict[torch.Size, list[tuple[torch.Tensor, torch.Tensor]]] = {}
             for p in group["params"]:
@@ -54,11 +56,17 @@ class Muon(torch.optim.Muon):
                     state["momentum_buffer"] = torch.zeros_like(p.grad)
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - momentum)  # B = mu B + (1 - mu) g
-                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf  # Nesterov: look ahead
+                update = (
+                    p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+                )  # Nesterov: look ahead
                 by_shape.setdefault(p.shape, []).append((p, update))
             for (rows, cols), pairs in by_shape.items():
-                ortho = newton_schulz(torch.stack([u for _, u in pairs]), group["ns_coefficients"],
-                                      group["ns_steps"], group["eps"])  # (N, rows, cols)
+                ortho = newton_schulz(
+                    torch.stack([u for _, u in pairs]),
+                    group["ns_coefficients"],
+                    group["ns_steps"],
+                    group["eps"],
+                )  # (N, rows, cols)
                 # torch's default scale: a tall matrix (rows > cols) moves sqrt(rows / cols) faster.
                 scaled_lr = lr * math.sqrt(max(1.0, rows / cols))
                 for (p, _), o in zip(pairs, ortho):
@@ -67,7 +75,9 @@ class Muon(torch.optim.Muon):
         return None
 
 
-def newton_schulz(G: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> torch.Tensor:
+def newton_schulz(
+    G: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
+) -> torch.Tensor:
     """Approximately orthogonalise each matrix of a (N, rows, cols) stack (torch.optim.Muon's quintic iteration,
     in bf16): X <- a X + (b A + c A^2) X with A = X X^T, starting from X / |X|, pushes every singular
     value towards 1 (to within about 0.7-1.2) without computing an SVD."""
@@ -83,22 +93,45 @@ def newton_schulz(G: torch.Tensor, coefficients: tuple[float, float, float], ste
     return X.mT if tall else X
 
 
-def build_optimizers(model: nn.Module, cfg: OptimizerConfig, device_type: str) -> list[torch.optim.Optimizer]:
+def build_optimizers(
+    model: nn.Module, cfg: OptimizerConfig, device_type: str
+) -> list[torch.optim.Optimizer]:
     """The optimizers for a model's parameters: [AdamW] or [AdamW, Muon]. Build them after FSDP has
     sharded the model, so that they hold the sharded parameters."""
-    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]  # a tied weight appears once
-    hidden = [p for name, p in named if cfg.optimizer == "muon" and p.dim() == 2 and name.startswith("blocks.")]
+    named = [
+        (name, p) for name, p in model.named_parameters() if p.requires_grad
+    ]  # a tied weight appears once
+    hidden = [
+        p
+        for name, p in named
+        if cfg.optimizer == "muon" and p.dim() == 2 and name.startswith("blocks.")
+    ]
     hidden_ids = {id(p) for p in hidden}
     rest = [p for _, p in named if id(p) not in hidden_ids]
     # Biases and LayerNorm gains are 1-D: decaying them towards zero only hurts.
-    groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in rest if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
+    ]
     # The fused kernel updates all parameters in one pass instead of a loop of small ops (CUDA and CPU).
-    optimizers: list[torch.optim.Optimizer] = [torch.optim.AdamW(
-        groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=device_type in ("cuda", "cpu"))]
+    optimizers: list[torch.optim.Optimizer] = [
+        torch.optim.AdamW(
+            groups,
+            lr=cfg.learning_rate,
+            betas=(cfg.beta1, cfg.beta2),
+            fused=device_type in ("cuda", "cpu"),
+        )
+    ]
     if hidden:
-        optimizers.append(Muon(hidden, lr=cfg.muon_lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum,
-                               nesterov=True))
+        optimizers.append(
+            Muon(
+                hidden,
+                lr=cfg.muon_lr,
+                weight_decay=cfg.weight_decay,
+                momentum=cfg.muon_momentum,
+                nesterov=True,
+            )
+        )
     return optimizers
 
 
@@ -106,12 +139,16 @@ def check_muon_supported(cfg: OptimizerConfig, parallel: str) -> None:
     """Muon orthogonalises whole matrices: the modes that split them over the ranks (FSDP,
     DeepSpeed ZeRO) refuse it through this check, naming themselves."""
     if cfg.optimizer == "muon":
-        raise ConfigError(f"optimizer_config.optimizer=muon needs each weight matrix whole on every rank (Newton-Schulz "
-                          f"works on the full matrix), and parallel={parallel} splits them; use parallel=ddp, or "
-                          "optimizer_config.optimizer=adamw")
+        raise ConfigError(
+            f"optimizer_config.optimizer=muon needs each weight matrix whole on every rank (Newton-Schulz "
+            f"works on the full matrix), and parallel={parallel} splits them; use parallel=ddp, or "
+            "optimizer_config.optimizer=adamw"
+        )
 
 
-def set_learning_rates(optimizers: list[torch.optim.Optimizer], cfg: OptimizerConfig, step: int, max_steps: int) -> None:
+def set_learning_rates(
+    optimizers: list[torch.optim.Optimizer], cfg: OptimizerConfig, step: int, max_steps: int
+) -> None:
     """Set every group's learning rate for this step: each optimizer's peak times the schedule."""
     scale = cfg.lr_scale(step, max_steps)
     for optimizer in optimizers:
@@ -122,5 +159,10 @@ def set_learning_rates(optimizers: list[torch.optim.Optimizer], cfg: OptimizerCo
 
 def state_tensors(optimizers: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
     """The per-parameter state the optimizers hold (AdamW's two moments, Muon's momentum)."""
-    return [t for opt in optimizers for state in opt.state.values() for t in state.values()
-            if torch.is_tensor(t) and t.dim()]
+    return [
+        t
+        for opt in optimizers
+        for state in opt.state.values()
+        for t in state.values()
+        if torch.is_tensor(t) and t.dim()
+    ]

@@ -32,4 +32,6 @@ class DataConfig:
         if not 0.0 < self.train_split < 1.0:
             raise ConfigError(f"data_config.train_split must be in (0, 1), got {self.train_split}")
         if not self.cache_dir:
-            raise ConfigError("data_config.cache_dir must name a directory for prepared token files")
+            raise ConfigError(
+                "data_config.cache_dir must name a directory for prepared token files"
+            )

@@ -21,7 +21,11 @@ class DeepSpeedConfig:
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (1, 2, 3):
-            raise ConfigError(f"deepspeed_config.zero_stage must be 1, 2 or 3, got {self.zero_stage}")
+            raise ConfigError(
+                f"deepspeed_config.zero_stage must be 1, 2 or 3, got {self.zero_stage}"
+            )
         if self.offload_params and self.zero_stage != 3:
-            raise ConfigError("deepspeed_config.offload_params=true needs zero_stage=3 (only stage 3 splits "
-                              "the parameters); set offload_params=false or zero_stage=3")
+            raise ConfigError(
+                "deepspeed_config.offload_params=true needs zero_stage=3 (only stage 3 splits "
+                "the parameters); set offload_params=false or zero_stage=3"
+            )

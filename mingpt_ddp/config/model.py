@@ -72,14 +72,31 @@ class GPTConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"gpt_config.{name} must be in [0, 1), got {getattr(self, name)}")
         if self.activation not in ACTIVATION_NAMES:
-            raise ConfigError(f"gpt_config.activation must be one of {', '.join(ACTIVATION_NAMES)}, got {self.activation!r}")
+            raise ConfigError(
+                f"gpt_config.activation must be one of {', '.join(ACTIVATION_NAMES)}, got {self.activation!r}"
+            )
         if self.logit_softcap < 0:
-            raise ConfigError(f"gpt_config.logit_softcap must be >= 0 (0: off), got {self.logit_softcap}")
+            raise ConfigError(
+                f"gpt_config.logit_softcap must be >= 0 (0: off), got {self.logit_softcap}"
+            )
         if self.rotary and (self.n_embd // self.n_head) % 2:
-            raise ConfigError(f"gpt_config.rotary=true needs an even head size; n_embd / n_head = "
-                              f"{self.n_embd // self.n_head}")
+            raise ConfigError(
+                f"gpt_config.rotary=true needs an even head size; n_embd / n_head = "
+                f"{self.n_embd // self.n_head}"
+            )
 
     # The fields a snapshot must agree on to be loadable into this model: its shape, and what the
     # weights were trained to compute (the same tensors under another activation would load, and be wrong).
-    SHAPE_FIELDS: ClassVar[tuple[str, ...]] = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size", "bias",
-                                               "rotary", "qk_norm", "activation", "tie_embeddings", "logit_softcap")
+    SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (
+        "n_layer",
+        "n_head",
+        "n_embd",
+        "vocab_size",
+        "block_size",
+        "bias",
+        "rotary",
+        "qk_norm",
+        "activation",
+        "tie_embeddings",
+        "logit_softcap",
+    )

@@ -43,17 +43,32 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"optimizer_config.optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+            raise ConfigError(
+                f"optimizer_config.optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
+            )
         if self.schedule not in SCHEDULES:
-            raise ConfigError(f"optimizer_config.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+            raise ConfigError(
+                f"optimizer_config.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}"
+            )
         if self.learning_rate <= 0 or self.min_lr < 0 or self.min_lr > self.learning_rate:
-            raise ConfigError("optimizer_config: need learning_rate > 0 and 0 <= min_lr <= learning_rate")
-        if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0 or self.muon_lr <= 0:
-            raise ConfigError("optimizer_config: warmup_steps, weight_decay and grad_clip must be >= 0, muon_lr > 0")
+            raise ConfigError(
+                "optimizer_config: need learning_rate > 0 and 0 <= min_lr <= learning_rate"
+            )
+        if (
+            self.warmup_steps < 0
+            or self.weight_decay < 0
+            or self.grad_clip < 0
+            or self.muon_lr <= 0
+        ):
+            raise ConfigError(
+                "optimizer_config: warmup_steps, weight_decay and grad_clip must be >= 0, muon_lr > 0"
+            )
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1 and 0 <= self.muon_momentum < 1):
             raise ConfigError("optimizer_config: beta1, beta2 and muon_momentum must be in [0, 1)")
         if not 0 < self.decay_frac <= 1:
-            raise ConfigError(f"optimizer_config.decay_frac must be in (0, 1], got {self.decay_frac}")
+            raise ConfigError(
+                f"optimizer_config.decay_frac must be in (0, 1], got {self.decay_frac}"
+            )
 
     def lr_scale(self, step: int, max_steps: int) -> float:
         """The schedule at a step, as a fraction of the peak (min_lr / learning_rate at the end)."""

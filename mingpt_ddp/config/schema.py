@@ -38,14 +38,21 @@ from mingpt_ddp.errors import ConfigError
 def sections() -> dict[str, type]:
     """The config's sections, each a dataclass beside the code it configures."""
 
-    return {"data_config": DataConfig, "gpt_config": GPTConfig, "optimizer_config": OptimizerConfig,
-            "trainer_config": TrainerConfig, "deepspeed_config": DeepSpeedConfig}
+    return {
+        "data_config": DataConfig,
+        "gpt_config": GPTConfig,
+        "optimizer_config": OptimizerConfig,
+        "trainer_config": TrainerConfig,
+        "deepspeed_config": DeepSpeedConfig,
+    }
 
 
 def job_schema() -> type:
     """The whole config as one dataclass: a field per section."""
     return dataclasses.make_dataclass(
-        "JobConfig", [(name, cls, dataclasses.field(default_factory=cls)) for name, cls in sections().items()])
+        "JobConfig",
+        [(name, cls, dataclasses.field(default_factory=cls)) for name, cls in sections().items()],
+    )
 
 
 def unknown_keys(cfg: Any) -> list[str]:
@@ -66,10 +73,14 @@ def unknown_keys(cfg: Any) -> list[str]:
 
 def unknown_key_error(key: str) -> ConfigError:
     """The one message for an unknown key, however it was written (key=, +key=, ++key=, YAML)."""
-    known = [f"{name}.{f.name}" for name, cls in sections().items() for f in dataclasses.fields(cls)]
+    known = [
+        f"{name}.{f.name}" for name, cls in sections().items() for f in dataclasses.fields(cls)
+    ]
     close = difflib.get_close_matches(key, known + list(sections()), n=1)
     hint = f"did you mean {close[0]}? " if close else ""
-    return ConfigError(f"{key} is not a key of this config; {hint}python main.py --help lists every key")
+    return ConfigError(
+        f"{key} is not a key of this config; {hint}python main.py --help lists every key"
+    )
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -77,7 +88,11 @@ def field_docs(cls: type) -> dict[str, str]:
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
     docs = {}
     for field, doc in zip(body, body[1:]):
-        if isinstance(field, ast.AnnAssign) and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant):
+        if (
+            isinstance(field, ast.AnnAssign)
+            and isinstance(doc, ast.Expr)
+            and isinstance(doc.value, ast.Constant)
+        ):
             docs[field.target.id] = " ".join(str(doc.value.value).split())
     return docs
 
@@ -86,9 +101,13 @@ def help_text() -> str:
     """What `python main.py --help` prints: the groups, every key with its type, default and meaning."""
 
     models = ", ".join(f"{name} ({l}x{h}x{e})" for name, (l, h, e) in MODEL_SIZES.items())
-    lines = ["Train a character-level GPT: python main.py [group=option ...] [section.key=value ...]",
-             "Under torchrun every rank runs this same command. --multirun a=1,2 runs a sweep (one process).", "",
-             "== Config groups (group=option; default first) ==", f"model: {models}"]
+    lines = [
+        "Train a character-level GPT: python main.py [group=option ...] [section.key=value ...]",
+        "Under torchrun every rank runs this same command. --multirun a=1,2 runs a sweep (one process).",
+        "",
+        "== Config groups (group=option; default first) ==",
+        f"model: {models}",
+    ]
     lines += [f"parallel={name}: {doc}" for name, (_, doc) in PARALLEL.items()]
     lines += [f"recipe={name}: {doc}" for name, (_, doc) in RECIPES.items()]
     lines += ["", "== Keys (section.key=value) =="]
@@ -108,7 +127,7 @@ def path_safe(overrides: str, limit: int = 120) -> str:
     name = overrides.replace("/", "_")
     if len(name) <= limit:
         return name
-    return f"{name[:limit - 13]}~{hashlib.sha1(name.encode()).hexdigest()[:12]}"
+    return f"{name[: limit - 13]}~{hashlib.sha1(name.encode()).hexdigest()[:12]}"
 
 
 def register() -> None:
@@ -116,13 +135,16 @@ def register() -> None:
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
-
     OmegaConf.register_new_resolver("path_safe", path_safe, replace=True)
     store = ConfigStore.instance()
     store.store(name="job_schema", node=job_schema())
     for name, (n_layer, n_head, n_embd) in MODEL_SIZES.items():
-        store.store(group="model", name=name, package="_global_",
-                    node={"gpt_config": {"n_layer": n_layer, "n_head": n_head, "n_embd": n_embd}})
+        store.store(
+            group="model",
+            name=name,
+            package="_global_",
+            node={"gpt_config": {"n_layer": n_layer, "n_head": n_head, "n_embd": n_embd}},
+        )
     for name, (values, _) in PARALLEL.items():
         node = {"trainer_config": values}
         if name.startswith("zero"):
@@ -130,11 +152,16 @@ def register() -> None:
         store.store(group="parallel", name=name, package="_global_", node=node)
     for name, (values, _) in RECIPES.items():
         node = {k: v for k, v in values.items() if k != "model"}
-        if "model" in values:  # a recipe may pick the model; model=... on the command line still wins
+        if (
+            "model" in values
+        ):  # a recipe may pick the model; model=... on the command line still wins
             node["defaults"] = [{"override /model": values["model"]}]
         store.store(group="recipe", name=name, package="_global_", node=node)
-    store.store(group="hydra/help", name="mingpt", node={"app_name": "mingpt-ddp", "header": "", "footer": "",
-                                                         "template": help_text()})
+    store.store(
+        group="hydra/help",
+        name="mingpt",
+        node={"app_name": "mingpt-ddp", "header": "", "footer": "", "template": help_text()},
+    )
 
 
 def to_dict(obj: Any) -> dict[str, Any]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Union
 
 from mingpt_ddp.errors import ConfigError
 
@@ -59,7 +58,7 @@ class TrainerConfig:
     device: str = "auto"
     """auto: one GPU per rank (picked by its local rank) if there are GPUs, else the CPU; cpu: the CPU
     and gloo even on a GPU machine; cuda: GPUs, or an error naming what is missing."""
-    use_amp: Union[bool, str] = "auto"
+    use_amp: bool | str = "auto"
     """Automatic mixed precision: matmuls in amp_dtype, parameters and optimizer state stay fp32. auto: on where
     the device computes amp_dtype natively (GPUs; CPUs with AVX-512 BF16 or AMX), fp32 elsewhere."""
     amp_dtype: str = "auto"
@@ -101,32 +100,61 @@ class TrainerConfig:
     """Stop at the first evaluation whose validation loss is at or below this (after a snapshot); 0: off."""
 
     def __post_init__(self) -> None:
-        for name in ("max_steps", "batch_size", "grad_accum_steps", "eval_every", "eval_iters",
-                     "log_every", "save_every", "keep_last", "max_failed_saves"):
+        for name in (
+            "max_steps",
+            "batch_size",
+            "grad_accum_steps",
+            "eval_every",
+            "eval_iters",
+            "log_every",
+            "save_every",
+            "keep_last",
+            "max_failed_saves",
+        ):
             if getattr(self, name) <= 0:
-                raise ConfigError(f"trainer_config.{name} must be positive, got {getattr(self, name)}")
+                raise ConfigError(
+                    f"trainer_config.{name} must be positive, got {getattr(self, name)}"
+                )
         if self.lease_ttl_s < 0:
-            raise ConfigError(f"trainer_config.lease_ttl_s must be >= 0 (0 turns the lease off), got {self.lease_ttl_s}")
+            raise ConfigError(
+                f"trainer_config.lease_ttl_s must be >= 0 (0 turns the lease off), got {self.lease_ttl_s}"
+            )
         if self.parallel not in ("ddp", "fsdp", "deepspeed", "none"):
-            raise ConfigError(f"trainer_config.parallel must be ddp, fsdp, deepspeed or none, got {self.parallel!r}")
+            raise ConfigError(
+                f"trainer_config.parallel must be ddp, fsdp, deepspeed or none, got {self.parallel!r}"
+            )
         if self.grad_reduce not in ("all_reduce", "via_rank0"):
-            raise ConfigError(f"trainer_config.grad_reduce must be all_reduce or via_rank0, got {self.grad_reduce!r}")
+            raise ConfigError(
+                f"trainer_config.grad_reduce must be all_reduce or via_rank0, got {self.grad_reduce!r}"
+            )
         if self.device not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"trainer_config.device must be auto, cpu or cuda, got {self.device!r}")
+            raise ConfigError(
+                f"trainer_config.device must be auto, cpu or cuda, got {self.device!r}"
+            )
         if self.amp_dtype not in ("auto", "bf16", "fp16"):
-            raise ConfigError(f"trainer_config.amp_dtype must be auto, bf16 or fp16, got {self.amp_dtype!r}")
+            raise ConfigError(
+                f"trainer_config.amp_dtype must be auto, bf16 or fp16, got {self.amp_dtype!r}"
+            )
         if self.use_amp not in (True, False, "auto"):
-            raise ConfigError(f"trainer_config.use_amp must be true, false or auto, got {self.use_amp!r}")
+            raise ConfigError(
+                f"trainer_config.use_amp must be true, false or auto, got {self.use_amp!r}"
+            )
         if self.sample_chars < 0 or self.collective_timeout_s <= 0:
-            raise ConfigError("trainer_config: sample_chars must be >= 0 and collective_timeout_s > 0")
+            raise ConfigError(
+                "trainer_config: sample_chars must be >= 0 and collective_timeout_s > 0"
+            )
         if self.tensorboard:
             try:
                 import tensorboard  # noqa: F401
             except ImportError:
-                raise ConfigError("trainer_config.tensorboard=true needs the tensorboard package: "
-                                  "pip install -e \".[tensorboard]\" (or set it to false)") from None
+                raise ConfigError(
+                    "trainer_config.tensorboard=true needs the tensorboard package: "
+                    'pip install -e ".[tensorboard]" (or set it to false)'
+                ) from None
         if self.cpu_threads < 0 or self.target_val_loss < 0:
-            raise ConfigError("trainer_config: cpu_threads and target_val_loss must be >= 0 (0: automatic / off)")
+            raise ConfigError(
+                "trainer_config: cpu_threads and target_val_loss must be >= 0 (0: automatic / off)"
+            )
 
     # Where this run's files go: an explicit path, or the default place under run_dir.
     @property
@@ -136,7 +164,11 @@ class TrainerConfig:
     @property
     def metrics_file(self) -> str:
         """The metrics file's path, or "" for none."""
-        return "" if self.metrics_path == "none" else self.metrics_path or os.path.join(self.run_dir, "metrics.jsonl")
+        return (
+            ""
+            if self.metrics_path == "none"
+            else self.metrics_path or os.path.join(self.run_dir, "metrics.jsonl")
+        )
 
     @property
     def tensorboard_dir(self) -> str:

@@ -58,8 +58,12 @@ class FeistelPermutation:
         self.low_bits, self.high_bits = bits // 2, bits - bits // 2
         # Round keys: a hash of (seed, epoch), so the order depends on nothing else
         # (not torch's RNG, the machine, the world size or the rank).
-        digest = hashlib.blake2b(f"mingpt-ddp/{seed}/{epoch}".encode(), digest_size=4 * self.ROUNDS).digest()
-        self.keys = [int.from_bytes(digest[4 * i: 4 * i + 4], "little") for i in range(self.ROUNDS)]
+        digest = hashlib.blake2b(
+            f"mingpt-ddp/{seed}/{epoch}".encode(), digest_size=4 * self.ROUNDS
+        ).digest()
+        self.keys = [
+            int.from_bytes(digest[4 * i : 4 * i + 4], "little") for i in range(self.ROUNDS)
+        ]
 
     # _mix and _network take a Python int or an int64 tensor: the same operators work on both.
     @staticmethod
@@ -112,7 +116,12 @@ class DataCursor:
     def __init__(self, num_windows: int, world_size: int, rank: int, seed: int):
         if num_windows <= 0:
             raise ValueError("no windows to sample from")
-        self.num_windows, self.world_size, self.rank, self.seed = num_windows, world_size, rank, seed
+        self.num_windows, self.world_size, self.rank, self.seed = (
+            num_windows,
+            world_size,
+            rank,
+            seed,
+        )
         self.epoch, self.samples_consumed = 0, 0
         self._permutation = FeistelPermutation(num_windows, seed, epoch=0)
 
@@ -126,13 +135,19 @@ class DataCursor:
         """This rank's window starts for one micro-step: (B,) int64."""
         W = self.world_size
         if W * batch_size > self.num_windows:
-            raise ValueError(f"one global batch ({W} ranks x {batch_size}) is more than the {self.num_windows} windows")
+            raise ValueError(
+                f"one global batch ({W} ranks x {batch_size}) is more than the {self.num_windows} windows"
+            )
         if self.samples_consumed + W * batch_size > self.num_windows:  # epoch exhausted
             self.epoch, self.samples_consumed = self.epoch + 1, 0
-        first = self.samples_consumed + self.rank  # this rank's positions: first, first+W, first+2W, ...
+        first = (
+            self.samples_consumed + self.rank
+        )  # this rank's positions: first, first+W, first+2W, ...
         self.samples_consumed += W * batch_size
         order = self.permutation(self.epoch)
-        return torch.tensor([order.at(first + W * k) for k in range(batch_size)], dtype=torch.int64)  # (B,)
+        return torch.tensor(
+            [order.at(first + W * k) for k in range(batch_size)], dtype=torch.int64
+        )  # (B,)
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "samples_consumed": self.samples_consumed, "order": self.ORDER}

@@ -35,8 +35,8 @@ import sys
 import time
 import uuid
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import torch
 
@@ -61,7 +61,11 @@ def _code_points(text: str) -> torch.Tensor:
     """(len(text),) int32 code points; a view of the UTF-32 bytes (read-only, never written)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "buffer is not writable": we only read it
-        return torch.frombuffer(text.encode("utf-32-le"), dtype=torch.int32) if text else torch.zeros(0, dtype=torch.int32)
+        return (
+            torch.frombuffer(text.encode("utf-32-le"), dtype=torch.int32)
+            if text
+            else torch.zeros(0, dtype=torch.int32)
+        )
 
 
 def vocabulary(files: list[SourceFile]) -> tuple[str, int]:
@@ -75,7 +79,9 @@ def vocabulary(files: list[SourceFile]) -> tuple[str, int]:
             # (no multi-byte character contains an ASCII byte): only what is left needs a closer look.
             rest = chunk.translate(None, known_ascii)
             if rest:
-                present |= torch.bincount(_code_points(rest.decode("utf-8")), minlength=_UNICODE).bool()
+                present |= torch.bincount(
+                    _code_points(rest.decode("utf-8")), minlength=_UNICODE
+                ).bool()
                 known_ascii = bytes(present[:128].nonzero().flatten().tolist())
     return "".join(map(chr, present.nonzero().flatten().tolist())), n_chars
 
@@ -124,10 +130,20 @@ class Prepared:
 
 def prepared_dir(spec: str, cache_dir: str) -> str:
     """Where the prepared copy of a source lives: <cache_dir>/<name>-<hash of the absolute source>."""
-    canonical = spec if "://" in spec and not spec.startswith("file://") else \
-        os.path.abspath(os.path.expanduser(spec.removeprefix("file://")))
-    stem = re.sub(r"[^\w.-]+", "_", os.path.splitext(os.path.basename(canonical.rstrip("/")))[0]).strip("_") or "corpus"
-    return os.path.join(cache_dir, f"{stem[:40]}-{hashlib.sha256(canonical.encode()).hexdigest()[:12]}")
+    canonical = (
+        spec
+        if "://" in spec and not spec.startswith("file://")
+        else os.path.abspath(os.path.expanduser(spec.removeprefix("file://")))
+    )
+    stem = (
+        re.sub(
+            r"[^\w.-]+", "_", os.path.splitext(os.path.basename(canonical.rstrip("/")))[0]
+        ).strip("_")
+        or "corpus"
+    )
+    return os.path.join(
+        cache_dir, f"{stem[:40]}-{hashlib.sha256(canonical.encode()).hexdigest()[:12]}"
+    )
 
 
 def sampled_sha256(path: str, size: int, spans: int = 17, span_bytes: int = 1 << 16) -> str:
@@ -151,13 +167,18 @@ def _read_meta(directory: str) -> dict:
 
 def _token_file_problem(prepared: Prepared) -> str | None:
     """Why the token file cannot be trusted (None: it can): missing, truncated, or damaged."""
-    name, expected = prepared.meta["tokens_file"], prepared.meta["num_tokens"] * prepared.dtype.itemsize
+    name, expected = (
+        prepared.meta["tokens_file"],
+        prepared.meta["num_tokens"] * prepared.dtype.itemsize,
+    )
     try:
         size = os.path.getsize(prepared.tokens_path)
     except FileNotFoundError:
         return f"{name} is missing"
     if size != expected:
-        return f"{name} has {size:,} bytes where {expected:,} were written (truncated or overwritten)"
+        return (
+            f"{name} has {size:,} bytes where {expected:,} were written (truncated or overwritten)"
+        )
     if sampled_sha256(prepared.tokens_path, size) != prepared.meta["tokens_sampled_sha256"]:
         return f"{name} is damaged (sampled checksum mismatch)"
     return None
@@ -174,7 +195,10 @@ def check(directory: str, files: list[SourceFile]) -> tuple[Prepared | None, str
         return None, f"its {META} is unreadable ({e})"
     now, then = [s.describe() for s in files], prepared.meta["files"]
     if now != then:
-        changed = next((f"{a['url']} changed" for a, b in zip(now, then) if a != b), f"{len(then)} -> {len(now)} files")
+        changed = next(
+            (f"{a['url']} changed" for a, b in zip(now, then) if a != b),
+            f"{len(then)} -> {len(now)} files",
+        )
         return None, f"the source changed since it was prepared: {changed}"
     problem = _token_file_problem(prepared)
     return (None, problem) if problem else (prepared, "")
@@ -201,7 +225,9 @@ def _exclusive(lock_file, directory: str, log: Callable[[str], None]) -> Iterato
     yield locked  # closing lock_file releases the lock
 
 
-def _encode_to_file(directory: str, files: list[SourceFile], vocab: str, pending: list[str]) -> dict:
+def _encode_to_file(
+    directory: str, files: list[SourceFile], vocab: str, pending: list[str]
+) -> dict:
     """Pass 2: encode every file into one token file in directory, named by its sha256.
     Paths written go into `pending` (removed by the caller unless the copy is committed)."""
     encoder = Encoder(vocab)
@@ -221,8 +247,12 @@ def _encode_to_file(directory: str, files: list[SourceFile], vocab: str, pending
     name = f"tokens-{tokens_hash.hexdigest()[:16]}.bin"
     os.replace(tmp, os.path.join(directory, name))
     pending.append(os.path.join(directory, name))
-    return {"tokens_file": name, "tokens_bytes": written, "tokens_sha256": tokens_hash.hexdigest(),
-            "source_sha256": source_hash.hexdigest()}
+    return {
+        "tokens_file": name,
+        "tokens_bytes": written,
+        "tokens_sha256": tokens_hash.hexdigest(),
+        "source_sha256": source_hash.hexdigest(),
+    }
 
 
 def _commit(directory: str, meta: dict, pending: list[str]) -> None:
@@ -236,8 +266,14 @@ def _commit(directory: str, meta: dict, pending: list[str]) -> None:
     os.replace(tmp, os.path.join(directory, META))
 
 
-def _build(directory: str, spec: str, files: list[SourceFile], s3_endpoint_url: str, locked: bool,
-           log: Callable[[str], None]) -> None:
+def _build(
+    directory: str,
+    spec: str,
+    files: list[SourceFile],
+    s3_endpoint_url: str,
+    locked: bool,
+    log: Callable[[str], None],
+) -> None:
     t0 = time.perf_counter()
     vocab, n_chars = vocabulary(files)  # pass 1
     if n_chars == 0:
@@ -249,48 +285,72 @@ def _build(directory: str, spec: str, files: list[SourceFile], s3_endpoint_url: 
         # The two passes must have read the same text: pass 2 maps a character pass 1 never saw to id 0.
         if written["tokens_bytes"] != n_chars * DTYPES[dtype].itemsize:
             changed = "the two passes read different numbers of characters"
-        elif [s.describe() for s in find_sources(spec, s3_endpoint_url)] != [s.describe() for s in files]:
+        elif [s.describe() for s in find_sources(spec, s3_endpoint_url)] != [
+            s.describe() for s in files
+        ]:
             changed = "its files' sizes or identities are not what they were before pass 1"
         else:
             changed = ""
         if changed:
-            raise DatasetError(f"data_config.path: {spec!r} changed while it was being prepared ({changed}); "
-                               "run again once nothing writes to it")
+            raise DatasetError(
+                f"data_config.path: {spec!r} changed while it was being prepared ({changed}); "
+                "run again once nothing writes to it"
+            )
         tokens_path = os.path.join(directory, written["tokens_file"])
-        meta = {"format": FORMAT, "version": VERSION, "source": spec, "files": [s.describe() for s in files],
-                "source_bytes": sum(s.size for s in files), "source_sha256": written["source_sha256"],
-                "vocab": vocab, "vocab_size": len(vocab), "dtype": dtype, "num_tokens": n_chars,
-                "tokens_file": written["tokens_file"], "tokens_sha256": written["tokens_sha256"],
-                "tokens_sampled_sha256": sampled_sha256(tokens_path, written["tokens_bytes"]),
-                "prepared_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "prepare_seconds": round(time.perf_counter() - t0, 3)}
+        meta = {
+            "format": FORMAT,
+            "version": VERSION,
+            "source": spec,
+            "files": [s.describe() for s in files],
+            "source_bytes": sum(s.size for s in files),
+            "source_sha256": written["source_sha256"],
+            "vocab": vocab,
+            "vocab_size": len(vocab),
+            "dtype": dtype,
+            "num_tokens": n_chars,
+            "tokens_file": written["tokens_file"],
+            "tokens_sha256": written["tokens_sha256"],
+            "tokens_sampled_sha256": sampled_sha256(tokens_path, written["tokens_bytes"]),
+            "prepared_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "prepare_seconds": round(time.perf_counter() - t0, 3),
+        }
         _commit(directory, meta, pending)
         pending.clear()
     except OSError as e:
-        raise DatasetError(f"data_config.cache_dir: cannot write the prepared copy in {directory!r} "
-                           f"({type(e).__name__}: {e}); free space or set data_config.cache_dir=<a writable "
-                           "directory>") from None
+        raise DatasetError(
+            f"data_config.cache_dir: cannot write the prepared copy in {directory!r} "
+            f"({type(e).__name__}: {e}); free space or set data_config.cache_dir=<a writable "
+            "directory>"
+        ) from None
     finally:
         for path in pending:
             with contextlib.suppress(OSError):
                 os.remove(path)
     if locked:  # nobody else writes here now: clear what older versions and killed preparers left
         for old in os.listdir(directory):
-            if old != written["tokens_file"] and (old.startswith("tokens-") or old.endswith(".tmp")):
+            if old != written["tokens_file"] and (
+                old.startswith("tokens-") or old.endswith(".tmp")
+            ):
                 with contextlib.suppress(OSError):
                     os.remove(os.path.join(directory, old))
     seconds, mb = time.perf_counter() - t0, meta["source_bytes"] / 1e6
     packed = " compressed" if any(compression_of(s.url) for s in files) else ""
-    log(f"data | prepared {n_chars:,} characters ({mb:.1f} MB{packed}) in {seconds:.2f} s ({mb / max(seconds, 1e-9):.0f} MB/s)"
-        f" | vocabulary {len(vocab)} | {dtype} ids in {tokens_path}")
+    log(
+        f"data | prepared {n_chars:,} characters ({mb:.1f} MB{packed}) in {seconds:.2f} s ({mb / max(seconds, 1e-9):.0f} MB/s)"
+        f" | vocabulary {len(vocab)} | {dtype} ids in {tokens_path}"
+    )
 
 
 def is_prepared_dir(path: str) -> bool:
     return "://" not in path and os.path.isfile(os.path.join(path, META))
 
 
-def ensure_prepared(spec: str, cache_dir: str = DEFAULT_CACHE_DIR, s3_endpoint_url: str = "",
-                    log: Callable[[str], None] = print) -> Prepared:
+def ensure_prepared(
+    spec: str,
+    cache_dir: str = DEFAULT_CACHE_DIR,
+    s3_endpoint_url: str = "",
+    log: Callable[[str], None] = print,
+) -> Prepared:
     """The prepared copy of data_config.path, preparing it first if it is missing or stale.
 
     spec may also be a prepared directory itself (one made elsewhere and copied here):
@@ -300,10 +360,14 @@ def ensure_prepared(spec: str, cache_dir: str = DEFAULT_CACHE_DIR, s3_endpoint_u
         try:
             prepared = Prepared(spec, _read_meta(spec))
         except (ValueError, KeyError, TypeError) as e:
-            raise DatasetError(f"data_config.path: {spec!r} has an unreadable {META} ({e}); prepare it again") from None
+            raise DatasetError(
+                f"data_config.path: {spec!r} has an unreadable {META} ({e}); prepare it again"
+            ) from None
         if problem := _token_file_problem(prepared):
-            raise DatasetError(f"data_config.path: {spec!r} is a prepared copy, but {problem}; prepare it again "
-                               "from its source")
+            raise DatasetError(
+                f"data_config.path: {spec!r} is a prepared copy, but {problem}; prepare it again "
+                "from its source"
+            )
         return prepared
     files = find_sources(spec, s3_endpoint_url)
     directory = prepared_dir(spec, cache_dir)
@@ -313,18 +377,24 @@ def ensure_prepared(spec: str, cache_dir: str = DEFAULT_CACHE_DIR, s3_endpoint_u
             os.makedirs(directory, exist_ok=True)
             lock_file = open(os.path.join(directory, ".lock"), "a")
         except OSError as e:
-            raise DatasetError(f"data_config.cache_dir: cannot write in {directory!r} ({e}), where the prepared "
-                               f"copy needs (re)building ({problem}); set data_config.cache_dir=<a writable "
-                               "directory>") from None
+            raise DatasetError(
+                f"data_config.cache_dir: cannot write in {directory!r} ({e}), where the prepared "
+                f"copy needs (re)building ({problem}); set data_config.cache_dir=<a writable "
+                "directory>"
+            ) from None
         with lock_file, _exclusive(lock_file, directory, log) as locked:
-            prepared, problem = check(directory, files)  # whoever held the lock may have prepared it
+            prepared, problem = check(
+                directory, files
+            )  # whoever held the lock may have prepared it
             if prepared is None:
                 log(f"data | preparing {spec} -> {directory} ({problem})")
                 _build(directory, spec, files, s3_endpoint_url, locked, log)
                 prepared, problem = check(directory, files)
     if prepared is None:
-        raise DatasetError(f"data_config.path: the prepared copy of {spec!r} in {directory!r} is unusable "
-                           f"right after preparing it ({problem})")
+        raise DatasetError(
+            f"data_config.path: the prepared copy of {spec!r} in {directory!r} is unusable "
+            f"right after preparing it ({problem})"
+        )
     return prepared
 
 
@@ -335,17 +405,30 @@ def verify(prepared: Prepared) -> None:
         while block := f.read(CHUNK_BYTES):
             h.update(block)
     if h.hexdigest() != prepared.meta["tokens_sha256"]:
-        raise DatasetError(f"{prepared.tokens_path} is damaged (sha256 mismatch); delete {prepared.directory} "
-                           "and prepare it again")
+        raise DatasetError(
+            f"{prepared.tokens_path} is damaged (sha256 mismatch); delete {prepared.directory} "
+            "and prepare it again"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Prepare a UTF-8 corpus for training (main.py does this on first use).")
-    p.add_argument("source", help="as data_config.path: a file, a glob ('books/*.txt'), an s3:// or fsspec URL, "
-                                  "or a prepared directory")
+    p = argparse.ArgumentParser(
+        description="Prepare a UTF-8 corpus for training (main.py does this on first use)."
+    )
+    p.add_argument(
+        "source",
+        help="as data_config.path: a file, a glob ('books/*.txt'), an s3:// or fsspec URL, "
+        "or a prepared directory",
+    )
     p.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="as data_config.cache_dir")
-    p.add_argument("--s3-endpoint-url", default="", help="as trainer_config.s3_endpoint_url (MinIO, Ceph, R2...)")
-    p.add_argument("--verify", action="store_true", help="also recompute the token file's full sha256")
+    p.add_argument(
+        "--s3-endpoint-url",
+        default="",
+        help="as trainer_config.s3_endpoint_url (MinIO, Ceph, R2...)",
+    )
+    p.add_argument(
+        "--verify", action="store_true", help="also recompute the token file's full sha256"
+    )
     args = p.parse_args(argv)
     try:
         prepared = ensure_prepared(args.source, args.cache_dir, args.s3_endpoint_url)
@@ -355,8 +438,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     m = prepared.meta
-    print(f"ready | {prepared.directory} | {m['num_tokens']:,} {m['dtype']} ids | vocabulary {m['vocab_size']} | "
-          f"from {len(m['files'])} file(s), {m['source_bytes']:,} bytes{' | full sha256 verified' if args.verify else ''}")
+    print(
+        f"ready | {prepared.directory} | {m['num_tokens']:,} {m['dtype']} ids | vocabulary {m['vocab_size']} | "
+        f"from {len(m['files'])} file(s), {m['source_bytes']:,} bytes{' | full sha256 verified' if args.verify else ''}"
+    )
     return 0
-
-

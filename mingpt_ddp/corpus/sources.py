@@ -17,8 +17,9 @@ import fnmatch
 import glob
 import os
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import BinaryIO, Callable, Iterator
+from typing import BinaryIO
 
 import fsspec
 import fsspec.compression
@@ -44,19 +45,27 @@ class SourceFile:
 
 
 def _directory_hint(name: str) -> DatasetError:
-    return DatasetError(f"data_config.path: {name!r} is a directory; name its files with a glob, "
-                        f"e.g. data_config.path='{name.rstrip('/')}/*.txt'")
+    return DatasetError(
+        f"data_config.path: {name!r} is a directory; name its files with a glob, "
+        f"e.g. data_config.path='{name.rstrip('/')}/*.txt'"
+    )
 
 
 def compression_of(url: str) -> str | None:
     """The codec a file's name says it is compressed with (fsspec's names: gzip for .gz, bz2, xz,
     lzma, zstd for .zst), or None for plain text."""
     codec = fsspec.utils.infer_compression(url)
-    if codec is None and url.endswith((".zst", ".zstd")):  # fsspec knows zstd only when it can read it
-        raise DatasetError(f"data_config.path: {url} is zstd-compressed; to read it: pip install -e '.[zstd]'")
+    if codec is None and url.endswith(
+        (".zst", ".zstd")
+    ):  # fsspec knows zstd only when it can read it
+        raise DatasetError(
+            f"data_config.path: {url} is zstd-compressed; to read it: pip install -e '.[zstd]'"
+        )
     if codec == "zip":
-        raise DatasetError(f"data_config.path: {url} is a zip archive, not one compressed file; unzip it "
-                           "and name its files (a glob), or compress them with gzip, bzip2, xz or zstd")
+        raise DatasetError(
+            f"data_config.path: {url} is a zip archive, not one compressed file; unzip it "
+            "and name its files (a glob), or compress them with gzip, bzip2, xz or zstd"
+        )
     return codec
 
 
@@ -67,10 +76,15 @@ def _blocks(url: str, open_raw: Callable[[], BinaryIO]) -> Callable[[], Iterator
 
     def blocks() -> Iterator[bytes]:
         with open_raw() as raw:
-            f = fsspec.compression.compr[codec](raw, mode="rb") if codec else contextlib.nullcontext(raw)
+            f = (
+                fsspec.compression.compr[codec](raw, mode="rb")
+                if codec
+                else contextlib.nullcontext(raw)
+            )
             with f as stream:
                 while block := stream.read(CHUNK_BYTES):
                     yield block
+
     return blocks
 
 
@@ -96,7 +110,7 @@ def _local_files(spec: str) -> list[SourceFile]:
 def _s3_files(spec: str, endpoint_url: str) -> list[SourceFile]:
     from mingpt_ddp.snapshots.storage import s3_client
 
-    bucket, _, key = spec[len("s3://"):].partition("/")
+    bucket, _, key = spec[len("s3://") :].partition("/")
     client = s3_client(endpoint_url)
 
     def source(key: str, size: int, etag: str) -> SourceFile:
@@ -113,13 +127,19 @@ def _s3_files(spec: str, endpoint_url: str) -> list[SourceFile]:
     if not _GLOB.search(key):
         return []
     # A glob: list the prefix before the first wildcard, match the rest part by part ('*' stops at '/').
-    prefix, parts = key[:_GLOB.search(key).start()], key.split("/")
+    prefix, parts = key[: _GLOB.search(key).start()], key.split("/")
     found = []
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
         for obj in page.get("Contents", []):
             names = obj["Key"].split("/")
-            if len(names) == len(parts) and all(map(fnmatch.fnmatchcase, names, parts)) and names[-1]:
-                found.append(source(obj["Key"], obj["Size"], obj["ETag"]))  # (names[-1] == "": a folder marker)
+            if (
+                len(names) == len(parts)
+                and all(map(fnmatch.fnmatchcase, names, parts))
+                and names[-1]
+            ):
+                found.append(
+                    source(obj["Key"], obj["Size"], obj["ETag"])
+                )  # (names[-1] == "": a folder marker)
     return sorted(found, key=lambda s: s.url)
 
 
@@ -127,8 +147,21 @@ def _fsspec_identity(fs, path: str, info: dict) -> dict:
     """What changes when the file does: modification time, ETag or checksum where the filesystem
     reports one. fsspec's ukey hashes all of info, which on some (sftp, smb) includes the access
     time, so reading the file would change it; it is the fallback only."""
-    stable = {k: str(info[k]) for k in ("mtime", "LastModified", "last_modified", "updated", "ETag", "etag",
-                                        "md5Hash", "crc32c", "created") if k in info}
+    stable = {
+        k: str(info[k])
+        for k in (
+            "mtime",
+            "LastModified",
+            "last_modified",
+            "updated",
+            "ETag",
+            "etag",
+            "md5Hash",
+            "crc32c",
+            "created",
+        )
+        if k in info
+    }
     return stable or {"ukey": fs.ukey(path)}
 
 
@@ -144,7 +177,9 @@ def _fsspec_files(spec: str) -> list[SourceFile]:
             raise _directory_hint(spec)
 
         blocks = _blocks(p, lambda p=p: fs.open(p, "rb"))
-        files.append(SourceFile(fs.unstrip_protocol(p), info["size"], _fsspec_identity(fs, p, info), blocks))
+        files.append(
+            SourceFile(fs.unstrip_protocol(p), info["size"], _fsspec_identity(fs, p, info), blocks)
+        )
     return files
 
 
@@ -163,10 +198,14 @@ def find_sources(spec: str, s3_endpoint_url: str = "") -> list[SourceFile]:
         raise
     except Exception as e:  # noqa: BLE001 - unreachable storage, credentials, a missing fsspec package...
         hint = storage_hint(e, "data_config.path", "check data_config.path")
-        raise DatasetError(f"data_config.path: cannot read {spec!r} ({type(e).__name__}: {e}); {hint}") from None
+        raise DatasetError(
+            f"data_config.path: cannot read {spec!r} ({type(e).__name__}: {e}); {hint}"
+        ) from None
     if not files:
-        raise DatasetError(f"data_config.path: no file at {spec!r}; set data_config.path=<your UTF-8 text> "
-                           "or fetch tiny Shakespeare with: python data/fetch_shakespeare.py")
+        raise DatasetError(
+            f"data_config.path: no file at {spec!r}; set data_config.path=<your UTF-8 text> "
+            "or fetch tiny Shakespeare with: python data/fetch_shakespeare.py"
+        )
     return files
 
 
@@ -179,9 +218,13 @@ def _read_blocks(source: SourceFile) -> Iterator[bytes]:
         yield from source.open_blocks()
     except Exception as e:  # noqa: BLE001 - a vanished file, an I/O error, a dropped connection...
         if getattr(e, "response", {}).get("Error", {}).get("Code") in ("412", "PreconditionFailed"):
-            raise DatasetError(f"data_config.path: {source.url} changed while it was being prepared; run again "
-                               "once nothing writes to it") from None
-        raise DatasetError(f"data_config.path: cannot read {source.url} ({type(e).__name__}: {e})") from None
+            raise DatasetError(
+                f"data_config.path: {source.url} changed while it was being prepared; run again "
+                "once nothing writes to it"
+            ) from None
+        raise DatasetError(
+            f"data_config.path: cannot read {source.url} ({type(e).__name__}: {e})"
+        ) from None
 
 
 def chunks(source: SourceFile) -> Iterator[tuple[int, bytes]]:
@@ -195,7 +238,7 @@ def chunks(source: SourceFile) -> Iterator[tuple[int, bytes]]:
             carry = buf  # too short yet to tell whether the file starts with a BOM
             continue
         if offset == 0 and buf.startswith(_BOM):
-            buf, offset = buf[len(_BOM):], len(_BOM)
+            buf, offset = buf[len(_BOM) :], len(_BOM)
         cut = len(buf)
         for i in range(len(buf) - 1, max(len(buf) - 4, 0) - 1, -1):
             if buf[i] & 0xC0 != 0x80:  # not a continuation byte: the last character starts here
@@ -211,5 +254,7 @@ def decode(source: SourceFile, offset: int, chunk: bytes) -> str:
     try:
         return chunk.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DatasetError(f"data_config.path: {source.url!r} is not UTF-8 text (undecodable byte at offset "
-                           f"{offset + e.start}); convert it to UTF-8 first") from None
+        raise DatasetError(
+            f"data_config.path: {source.url!r} is not UTF-8 text (undecodable byte at offset "
+            f"{offset + e.start}); convert it to UTF-8 first"
+        ) from None

@@ -28,9 +28,11 @@ class DDPStrategy(Single):
     @classmethod
     def check(cls, args: StrategyArgs) -> None:
         if args.plan.cpu_offload:
-            raise ConfigError("trainer_config.fsdp_cpu_offload=true keeps FSDP's shards in CPU memory "
-                              "instead of GPU memory: it needs parallel=fsdp on GPUs; set "
-                              "fsdp_cpu_offload=false")
+            raise ConfigError(
+                "trainer_config.fsdp_cpu_offload=true keeps FSDP's shards in CPU memory "
+                "instead of GPU memory: it needs parallel=fsdp on GPUs; set "
+                "fsdp_cpu_offload=false"
+            )
 
     def wrap(self, model: nn.Module) -> nn.Module:
         model = super().wrap(model)  # compiled in place first, if asked

@@ -32,7 +32,8 @@ import os
 import re
 import time
 import warnings
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -46,7 +47,9 @@ from mingpt_ddp.parallel.strategy import Batch, Strategy, StrategyArgs
 from mingpt_ddp.runtime.distributed import print0
 from mingpt_ddp.snapshots.layout import FileLayout
 
-TAG = "zero"  # DeepSpeed's checkpoint tag: the sub-directory of the staging directory its files go in
+TAG = (
+    "zero"  # DeepSpeed's checkpoint tag: the sub-directory of the staging directory its files go in
+)
 
 
 def import_deepspeed(device: torch.device):
@@ -56,18 +59,28 @@ def import_deepspeed(device: torch.device):
     try:
         import deepspeed
     except ImportError:
-        raise ConfigError("trainer_config.parallel=deepspeed needs DeepSpeed: pip install -e \".[deepspeed]\" "
-                          "(or use parallel=ddp or fsdp)") from None
+        raise ConfigError(
+            'trainer_config.parallel=deepspeed needs DeepSpeed: pip install -e ".[deepspeed]" '
+            "(or use parallel=ddp or fsdp)"
+        ) from None
     from deepspeed.utils import logger
 
     logger.setLevel(logging.WARNING)
     # DeepSpeed calls all_gather_into_tensor and reduce_scatter_tensor, which torch now warns about every call.
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    warnings.filterwarnings(
+        "ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
+    )
     return deepspeed
 
 
-def engine_config(ds: DeepSpeedConfig, batch_size: int, accum_steps: int, world_size: int, grad_clip: float,
-                  amp_dtype: str | None) -> dict[str, Any]:
+def engine_config(
+    ds: DeepSpeedConfig,
+    batch_size: int,
+    accum_steps: int,
+    world_size: int,
+    grad_clip: float,
+    amp_dtype: str | None,
+) -> dict[str, Any]:
     """The JSON-like dict DeepSpeed reads: what this project's config says, in DeepSpeed's words."""
     offload = {"device": "cpu", "pin_memory": True}
     return {
@@ -75,9 +88,11 @@ def engine_config(ds: DeepSpeedConfig, batch_size: int, accum_steps: int, world_
         "gradient_accumulation_steps": accum_steps,
         "train_batch_size": batch_size * accum_steps * world_size,
         "gradient_clipping": grad_clip,  # 0: off
-        "zero_optimization": {"stage": ds.zero_stage,
-                              **({"offload_optimizer": offload} if ds.offload_optimizer else {}),
-                              **({"offload_param": offload} if ds.offload_params else {})},
+        "zero_optimization": {
+            "stage": ds.zero_stage,
+            **({"offload_optimizer": offload} if ds.offload_optimizer else {}),
+            **({"offload_param": offload} if ds.offload_params else {}),
+        },
         "bf16": {"enabled": amp_dtype == "bf16"},
         "fp16": {"enabled": amp_dtype == "fp16"},  # DeepSpeed's own dynamic loss scaling
         # The Trainer's torch AdamW, not DeepSpeed's fused or CPU Adam (those are compiled on first use).
@@ -106,8 +121,10 @@ def check_weights_only(directory: str) -> None:
             try:
                 torch.load(os.path.join(directory, name), map_location="cpu", weights_only=True)
             except Exception as e:  # noqa: BLE001 - reported as one line
-                raise RuntimeError(f"{name} holds more than DeepSpeed's checkpoint data "
-                                   f"({type(e).__name__}: {str(e).splitlines()[0]}); not loading it") from None
+                raise RuntimeError(
+                    f"{name} holds more than DeepSpeed's checkpoint data "
+                    f"({type(e).__name__}: {str(e).splitlines()[0]}); not loading it"
+                ) from None
 
 
 def consolidated_model(stage: str) -> dict[str, torch.Tensor]:
@@ -116,7 +133,10 @@ def consolidated_model(stage: str) -> dict[str, torch.Tensor]:
     import_deepspeed(torch.device("cpu"))
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # its progress lines
+    with (
+        contextlib.redirect_stdout(io.StringIO()),
+        contextlib.redirect_stderr(io.StringIO()),
+    ):  # its progress lines
         state = get_fp32_state_dict_from_zero_checkpoint(stage, tag=TAG)
     return {k: v.contiguous() for k, v in state.items()}
 
@@ -127,16 +147,25 @@ def _full_tensors(stage: str) -> dict:
 
 def _refusal(meta: dict) -> str:
     stage = meta["deepspeed"]["zero_stage"]
-    return (f"was written by DeepSpeed ZeRO-{stage}; resume with trainer_config.parallel=deepspeed "
-            f"deepspeed_config.zero_stage={stage}, or export its weights with python -m "
-            "mingpt_ddp.snapshots consolidate")
+    return (
+        f"was written by DeepSpeed ZeRO-{stage}; resume with trainer_config.parallel=deepspeed "
+        f"deepspeed_config.zero_stage={stage}, or export its weights with python -m "
+        "mingpt_ddp.snapshots consolidate"
+    )
 
 
 DEEPSPEED_FILES = FileLayout(
-    kind="deepspeed", extension="zero", subdir=TAG, check=check_weights_only,
-    file_names=re.compile(r"^(mp_rank_\d\d_model_states\.pt|"
-                          r"(bf16_)?zero_pp_rank_\d+_mp_rank_\d\d_(optim|model)_states\.pt)$"),
-    full_tensors=_full_tensors, refusal=_refusal)
+    kind="deepspeed",
+    extension="zero",
+    subdir=TAG,
+    check=check_weights_only,
+    file_names=re.compile(
+        r"^(mp_rank_\d\d_model_states\.pt|"
+        r"(bf16_)?zero_pp_rank_\d+_mp_rank_\d\d_(optim|model)_states\.pt)$"
+    ),
+    full_tensors=_full_tensors,
+    refusal=_refusal,
+)
 
 
 class DeepSpeedStrategy(Strategy):
@@ -152,16 +181,18 @@ class DeepSpeedStrategy(Strategy):
         self.optimizers = build_optimizers(model, args.optim, self.device.type)  # [AdamW]
         deepspeed = import_deepspeed(self.device)
         amp = self.plan.amp_dtype if self.plan.use_amp else None
-        config = engine_config(ds, args.batch_size, args.accum_steps, self.ctx.world_size,
-                               args.optim.grad_clip, amp)
+        config = engine_config(
+            ds, args.batch_size, args.accum_steps, self.ctx.world_size, args.optim.grad_clip, amp
+        )
         t0 = time.perf_counter()
         # The process group is already up (runtime/distributed.py); DeepSpeed uses it. The
         # optimizer's param_groups stay ours: setting group["lr"] each step still sets the schedule.
         # On its first use on a machine DeepSpeed compiles a small shared-memory op (cached after),
         # and every rank prints that it did: its prints are kept out of the job's log.
         with contextlib.redirect_stdout(io.StringIO()):
-            self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizers[0],
-                                                        config=config, dist_init_required=False)
+            self.engine, _, _, _ = deepspeed.initialize(
+                model=model, optimizer=self.optimizers[0], config=config, dist_init_required=False
+            )
         print0(f"deepspeed | ZeRO-{ds.zero_stage} engine ready in {time.perf_counter() - t0:.1f} s")
         # Every rank must run every forward when each holds only part of the parameters.
         self.forward_on_all_ranks = ds.zero_stage == 3
@@ -171,14 +202,20 @@ class DeepSpeedStrategy(Strategy):
         check_no_foreign_options(args.plan, args.ctx.device)
         check_muon_supported(args.optim, "deepspeed")
         if not args.ctx.distributed:
-            raise ConfigError("trainer_config.parallel=deepspeed needs a process group: launch with torchrun "
-                              "or the deepspeed launcher (--nproc_per_node=1 for one process)")
+            raise ConfigError(
+                "trainer_config.parallel=deepspeed needs a process group: launch with torchrun "
+                "or the deepspeed launcher (--nproc_per_node=1 for one process)"
+            )
         if args.plan.compile:
-            raise ConfigError("trainer_config.compile=true is not tried with parallel=deepspeed here; "
-                              "set compile=false")
+            raise ConfigError(
+                "trainer_config.compile=true is not tried with parallel=deepspeed here; "
+                "set compile=false"
+            )
         if args.plan.use_amp and args.plan.amp_dtype == "fp16" and args.ctx.device.type != "cuda":
-            raise ConfigError("DeepSpeed's fp16 (with its loss scaler) is for GPUs; on CPUs use "
-                              "trainer_config.amp_dtype=bf16")
+            raise ConfigError(
+                "DeepSpeed's fp16 (with its loss scaler) is for GPUs; on CPUs use "
+                "trainer_config.amp_dtype=bf16"
+            )
 
     def train_step(self, batches: Iterator[Batch], n_micro: int) -> tuple[torch.Tensor, bool]:
         """The engine divides each micro-step's loss by the accumulation steps and counts them: its
@@ -198,9 +235,11 @@ class DeepSpeedStrategy(Strategy):
 
     def describe(self) -> tuple[str, str]:
         ds = self.cfg
-        mode = f"deepspeed ZeRO-{ds.zero_stage}" + \
-            (" + optimizer offload" if ds.offload_optimizer else "") + \
-            (" + parameter offload" if ds.offload_params else "")
+        mode = (
+            f"deepspeed ZeRO-{ds.zero_stage}"
+            + (" + optimizer offload" if ds.offload_optimizer else "")
+            + (" + parameter offload" if ds.offload_params else "")
+        )
         return mode, self.precision()
 
     def optimizer_state_bytes(self) -> int:
@@ -215,24 +254,33 @@ class DeepSpeedStrategy(Strategy):
         meta, stage = snapshot.meta, self.cfg.zero_stage
         if snapshot.layout is not DEEPSPEED_FILES:
             parallel = meta["config"]["trainer_config"]["parallel"]
-            raise SnapshotMismatch(f"{where} was written by parallel={parallel}, which DeepSpeed cannot "
-                                   "load; resume with that, or use another trainer_config.run_dir")
+            raise SnapshotMismatch(
+                f"{where} was written by parallel={parallel}, which DeepSpeed cannot "
+                "load; resume with that, or use another trainer_config.run_dir"
+            )
         if meta["deepspeed"]["zero_stage"] != stage:
             saved = meta["deepspeed"]["zero_stage"]
-            raise SnapshotMismatch(f"{where} was written by DeepSpeed ZeRO-{saved}; resume with "
-                                   f"deepspeed_config.zero_stage={saved}")
+            raise SnapshotMismatch(
+                f"{where} was written by DeepSpeed ZeRO-{saved}; resume with "
+                f"deepspeed_config.zero_stage={saved}"
+            )
         if meta["world_size"] != self.ctx.world_size:
             raise SnapshotMismatch(
                 f"{where} holds DeepSpeed partitions for {meta['world_size']} ranks, and this job has "
                 f"{self.ctx.world_size}; resume with {meta['world_size']} ranks (nnodes x nproc_per_node), "
-                "or export its weights with python -m mingpt_ddp.snapshots consolidate")
+                "or export its weights with python -m mingpt_ddp.snapshots consolidate"
+            )
 
     def read_tensors(self, snapshot) -> dict:
         """Collective: every rank loads its partition from the staged files (all the snapshot's files,
         checked against the manifest and by check_weights_only when the store staged them)."""
-        path, _ = self.engine.load_checkpoint(snapshot.directory, tag=TAG, load_lr_scheduler_states=False)
+        path, _ = self.engine.load_checkpoint(
+            snapshot.directory, tag=TAG, load_lr_scheduler_states=False
+        )
         if path is None:
-            raise RuntimeError(f"DeepSpeed could not load the snapshot staged in {snapshot.directory}")
+            raise RuntimeError(
+                f"DeepSpeed could not load the snapshot staged in {snapshot.directory}"
+            )
         return {}  # the engine holds them now
 
     def write_files(self, stage: str) -> str:

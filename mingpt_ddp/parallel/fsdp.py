@@ -19,7 +19,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.distributed.tensor import DTensor
 
 from mingpt_ddp.errors import ConfigError
@@ -44,8 +49,12 @@ def _load_into(folder: str, state: dict) -> dict:
 
 
 DCP_FILES = FileLayout(
-    kind="sharded", extension="dcp", file_names=re.compile(r"^(\.metadata|__\d+_\d+\.distcp)$"),
-    full_tensors=_full_tensors, load_into=_load_into)
+    kind="sharded",
+    extension="dcp",
+    file_names=re.compile(r"^(\.metadata|__\d+_\d+\.distcp)$"),
+    full_tensors=_full_tensors,
+    load_into=_load_into,
+)
 
 
 class FSDPStrategy(Single):
@@ -58,32 +67,46 @@ class FSDPStrategy(Single):
     @classmethod
     def check(cls, args: StrategyArgs) -> None:
         if not args.ctx.distributed:
-            raise ConfigError("trainer_config.parallel=fsdp needs a process group: launch with torchrun "
-                              "(--nproc_per_node=1 for one process) or use parallel=ddp")
+            raise ConfigError(
+                "trainer_config.parallel=fsdp needs a process group: launch with torchrun "
+                "(--nproc_per_node=1 for one process) or use parallel=ddp"
+            )
         if args.plan.cpu_offload and args.ctx.device.type != "cuda":
-            raise ConfigError("trainer_config.fsdp_cpu_offload=true keeps FSDP's shards in CPU memory "
-                              "instead of GPU memory: it needs parallel=fsdp on GPUs; set "
-                              "fsdp_cpu_offload=false")
+            raise ConfigError(
+                "trainer_config.fsdp_cpu_offload=true keeps FSDP's shards in CPU memory "
+                "instead of GPU memory: it needs parallel=fsdp on GPUs; set "
+                "fsdp_cpu_offload=false"
+            )
         if args.plan.grad_reduce == "via_rank0":
-            raise ConfigError("trainer_config.grad_reduce=via_rank0 is a DDP communication hook; use "
-                              "parallel=ddp")
+            raise ConfigError(
+                "trainer_config.grad_reduce=via_rank0 is a DDP communication hook; use parallel=ddp"
+            )
         check_muon_supported(args.optim, "fsdp")
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """Shard in place, block by block, then the root (embeddings, final norm, head): each block's
         parameters are gathered just before it runs and freed after."""
         plan = self.plan
-        if plan.compile:  # block by block (torchtitan's way): each block is also a unit FSDP gathers
+        if (
+            plan.compile
+        ):  # block by block (torchtitan's way): each block is also a unit FSDP gathers
             for block in model.blocks:
                 block.compile()
         # bf16 compute copies of the parameters, fp32 gradient reduction (summing many small
         # bf16 numbers loses precision), fp32 sharded master weights.
-        mp = MixedPrecisionPolicy(param_dtype=AMP_DTYPES[plan.amp_dtype], reduce_dtype=torch.float32) \
-            if plan.use_amp else MixedPrecisionPolicy()
+        mp = (
+            MixedPrecisionPolicy(param_dtype=AMP_DTYPES[plan.amp_dtype], reduce_dtype=torch.float32)
+            if plan.use_amp
+            else MixedPrecisionPolicy()
+        )
         offload = CPUOffloadPolicy() if plan.cpu_offload else OffloadPolicy()
         for module in [*model.blocks, model]:
-            fully_shard(module, mp_policy=mp, offload_policy=offload,
-                        reshard_after_forward=plan.reshard_after_forward)
+            fully_shard(
+                module,
+                mp_policy=mp,
+                offload_policy=offload,
+                reshard_after_forward=plan.reshard_after_forward,
+            )
         return model
 
     def autocasts(self) -> bool:
@@ -104,4 +127,3 @@ class FSDPStrategy(Single):
     def write_files(self, stage: str) -> str:
         dcp.save(self.tensor_state(), storage_writer=dcp.FileSystemWriter(stage))
         return stage
-

@@ -33,12 +33,21 @@ class Plan:
     def of(cls, c, device: torch.device) -> Plan:
         """The plan a TrainerConfig describes on this device ("auto" precision decided here)."""
         use_amp, amp_dtype, _ = choose_precision(c.use_amp, c.amp_dtype, device)
-        return cls(c.parallel, c.grad_reduce, use_amp, amp_dtype, c.fsdp_reshard_after_forward,
-                   c.fsdp_cpu_offload, c.compile, c.tf32)
+        return cls(
+            c.parallel,
+            c.grad_reduce,
+            use_amp,
+            amp_dtype,
+            c.fsdp_reshard_after_forward,
+            c.fsdp_cpu_offload,
+            c.compile,
+            c.tf32,
+        )
 
 
-def choose_precision(use_amp: bool | str, amp_dtype: str, device: torch.device,
-                     flags: set[str] | None = None) -> tuple[bool, str, str]:
+def choose_precision(
+    use_amp: bool | str, amp_dtype: str, device: torch.device, flags: set[str] | None = None
+) -> tuple[bool, str, str]:
     """Resolve trainer_config's "auto" precision for a device: (use_amp, amp_dtype, why, in words).
 
     Mixed precision pays only where the hardware multiplies in 16 bits: bf16 on GPUs that have bf16
@@ -46,7 +55,9 @@ def choose_precision(use_amp: bool | str, amp_dtype: str, device: torch.device,
     converts bf16 to fp32 and back around every multiply, slower than fp32 itself, so auto stays in
     fp32 there. flags: CPU flags to decide from instead of this machine's (tests inject them)."""
     native, evidence = bf16_native(device, flags)
-    dtype = amp_dtype if amp_dtype != "auto" else "bf16" if native or device.type != "cuda" else "fp16"
+    dtype = (
+        amp_dtype if amp_dtype != "auto" else "bf16" if native or device.type != "cuda" else "fp16"
+    )
     if use_amp != "auto":
         return bool(use_amp), dtype, f"trainer_config.use_amp={str(bool(use_amp)).lower()}"
     if device.type == "cuda":
@@ -68,7 +79,10 @@ def cpu_flags() -> set[str]:
     """The instruction-set flags of this machine's CPU (Linux /proc/cpuinfo; empty elsewhere)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+            return next(
+                (set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")),
+                set(),
+            )
     except OSError:
         return set()
 
@@ -78,12 +92,19 @@ def bf16_native(device: torch.device, flags: set[str] | None = None) -> tuple[bo
     AVX-512 BF16 or AMX, bf16 is converted to fp32 and back around every multiply (slower than fp32)."""
     if device.type == "cuda":
         native = torch.cuda.is_bf16_supported(including_emulation=False)
-        return native, f"{torch.cuda.get_device_name(device)} {'has' if native else 'lacks'} bf16 units"
+        return (
+            native,
+            f"{torch.cuda.get_device_name(device)} {'has' if native else 'lacks'} bf16 units",
+        )
     found = sorted((cpu_flags() if flags is None else flags) & {"avx512_bf16", "amx_bf16"})
-    return bool(found), f"CPU has {' and '.join(found)}" if found else "CPU lacks AVX-512 BF16 and AMX"
+    return bool(
+        found
+    ), f"CPU has {' and '.join(found)}" if found else "CPU lacks AVX-512 BF16 and AMX"
 
 
-def time_attention(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int, int], reps: int = 5) -> float:
+def time_attention(
+    device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int, int], reps: int = 5
+) -> float:
     """Milliseconds for one causal scaled_dot_product_attention forward + backward at shape (B, nh, T, hs)."""
     q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     times = []
@@ -96,15 +117,23 @@ def time_attention(device: torch.device, dtype: torch.dtype, shape: tuple[int, i
     return 1e3 * sorted(times[1:])[reps // 2]  # the median
 
 
-def autocast_attention_fp32(plan: Plan, device: torch.device, shape: tuple[int, int, int, int]) -> tuple[bool, str]:
+def autocast_attention_fp32(
+    plan: Plan, device: torch.device, shape: tuple[int, int, int, int]
+) -> tuple[bool, str]:
     """Under bf16 autocast, should attention run in fp32? Decided by timing both on this device at the
     model's shape (a few milliseconds at start), not assumed: some CPUs' bf16 attention kernels are
     slower than their fp32 ones. Returns the choice and the two times, in words."""
     if not plan.use_amp or plan.amp_dtype != "bf16":
         return False, ""
-    bf16_ms, fp32_ms = time_attention(device, torch.bfloat16, shape), time_attention(device, torch.float32, shape)
-    return fp32_ms < bf16_ms, f"attention {'fp32' if fp32_ms < bf16_ms else 'bf16'} " \
-                              f"(measured here: bf16 {bf16_ms:.2f} ms, fp32 {fp32_ms:.2f} ms)"
+    bf16_ms, fp32_ms = (
+        time_attention(device, torch.bfloat16, shape),
+        time_attention(device, torch.float32, shape),
+    )
+    return (
+        fp32_ms < bf16_ms,
+        f"attention {'fp32' if fp32_ms < bf16_ms else 'bf16'} "
+        f"(measured here: bf16 {bf16_ms:.2f} ms, fp32 {fp32_ms:.2f} ms)",
+    )
 
 
 def grad_scaler(plan: Plan, device: torch.device) -> torch.amp.GradScaler:

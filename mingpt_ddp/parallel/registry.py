@@ -29,7 +29,9 @@ def _load(path: str):
 def build_strategy(parallel: str, model: nn.Module, args):
     """The strategy named by trainer_config.parallel, built around model (a strategy.Strategy)."""
     if parallel not in STRATEGIES:
-        raise ConfigError(f"trainer_config.parallel={parallel} is not one of {', '.join(STRATEGIES)}")
+        raise ConfigError(
+            f"trainer_config.parallel={parallel} is not one of {', '.join(STRATEGIES)}"
+        )
     return _load(STRATEGIES[parallel])(model, args)
 
 

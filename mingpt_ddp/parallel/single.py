@@ -11,8 +11,8 @@ between micro-steps; the rest of the step is this one.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
-from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -50,8 +50,10 @@ class Single(Strategy):
     def check(cls, args: StrategyArgs) -> None:
         """Refuse settings this mode does not run, naming the one to change."""
         if args.ctx.world_size > 1:
-            raise ConfigError("trainer_config.parallel=none with several ranks would train diverging "
-                              "copies; use ddp or fsdp")
+            raise ConfigError(
+                "trainer_config.parallel=none with several ranks would train diverging "
+                "copies; use ddp or fsdp"
+            )
         check_no_foreign_options(args.plan, args.ctx.device)
 
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -143,8 +145,13 @@ class Single(Strategy):
 
     def load_tensor_state(self, state: dict) -> None:
         options = StateDictOptions(full_state_dict=self.loads_full_tensors(state))
-        set_state_dict(self.train_model, self.optimizers, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"], options=options)
+        set_state_dict(
+            self.train_model,
+            self.optimizers,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=options,
+        )
 
     def loads_full_tensors(self, state: dict) -> bool:
         """Whether state holds whole tensors that set_state_dict must shard (never, unsharded)."""
@@ -154,7 +161,11 @@ class Single(Strategy):
 def check_no_foreign_options(plan, device: torch.device) -> None:
     """Options of another mode, set where they would do nothing: refused, naming the mode."""
     if plan.cpu_offload:
-        raise ConfigError("trainer_config.fsdp_cpu_offload=true keeps FSDP's shards in CPU memory instead "
-                          "of GPU memory: it needs parallel=fsdp on GPUs; set fsdp_cpu_offload=false")
+        raise ConfigError(
+            "trainer_config.fsdp_cpu_offload=true keeps FSDP's shards in CPU memory instead "
+            "of GPU memory: it needs parallel=fsdp on GPUs; set fsdp_cpu_offload=false"
+        )
     if plan.grad_reduce == "via_rank0":
-        raise ConfigError("trainer_config.grad_reduce=via_rank0 is a DDP communication hook; use parallel=ddp")
+        raise ConfigError(
+            "trainer_config.grad_reduce=via_rank0 is a DDP communication hook; use parallel=ddp"
+        )

@@ -56,9 +56,9 @@ How the modes to come fit this contract:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -115,7 +115,9 @@ class Strategy:
         """Refuse settings this mode does not run (ConfigError, naming the setting to change)."""
 
     # -------------------------------------------------------------- the step
-    def train_step(self, batches: Iterator[Batch], n_micro: int) -> tuple[torch.Tensor | None, bool]:
+    def train_step(
+        self, batches: Iterator[Batch], n_micro: int
+    ) -> tuple[torch.Tensor | None, bool]:
         raise NotImplementedError
 
     @torch.no_grad()

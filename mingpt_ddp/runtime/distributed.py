@@ -56,7 +56,9 @@ class DistContext:
         return self.world_size > 1 or dist.is_initialized()
 
 
-def choose_device(requested: str, gpus: int, local_rank: int, local_world_size: int) -> torch.device:
+def choose_device(
+    requested: str, gpus: int, local_rank: int, local_world_size: int
+) -> torch.device:
     """The device this rank computes on: its own GPU (picked by its local rank) or the CPU.
 
     requested is trainer_config.device (auto | cpu | cuda); gpus is how many GPUs this
@@ -66,13 +68,17 @@ def choose_device(requested: str, gpus: int, local_rank: int, local_world_size: 
     if requested == "cpu" or (requested == "auto" and gpus == 0):
         return torch.device("cpu")
     if gpus == 0:
-        raise ConfigError("trainer_config.device=cuda, but no GPU is visible (a CPU-only torch build, no driver, or "
-                          "CUDA_VISIBLE_DEVICES empty); fix that or set trainer_config.device=cpu")
+        raise ConfigError(
+            "trainer_config.device=cuda, but no GPU is visible (a CPU-only torch build, no driver, or "
+            "CUDA_VISIBLE_DEVICES empty); fix that or set trainer_config.device=cpu"
+        )
     if local_world_size > gpus or local_rank >= gpus:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
-        raise ConfigError(f"{local_world_size} ranks on this node need one GPU each, but {gpus} GPU(s) are visible "
-                          f"(CUDA_VISIBLE_DEVICES={visible}); start at most {gpus} per node "
-                          f"(torchrun --nproc_per_node={gpus}) or set trainer_config.device=cpu to train on the CPU")
+        raise ConfigError(
+            f"{local_world_size} ranks on this node need one GPU each, but {gpus} GPU(s) are visible "
+            f"(CUDA_VISIBLE_DEVICES={visible}); start at most {gpus} per node "
+            f"(torchrun --nproc_per_node={gpus}) or set trainer_config.device=cpu to train on the CPU"
+        )
     return torch.device("cuda", local_rank)
 
 
@@ -127,9 +133,17 @@ def setup_distributed(timeout_s: float = 600.0, device: str = "auto") -> DistCon
     store = dist.PrefixStore(f"attempt_{restart_count}", _JOB_STORE)
     # device_id binds the group to this rank's GPU: nccl connects now rather than at the
     # first collective, and barriers know which GPU to use.
-    dist.init_process_group(backend_for(chosen), store=store, rank=rank, world_size=world_size, timeout=timeout,
-                            device_id=chosen if chosen.type == "cuda" else None)
-    return DistContext(rank, local_rank, world_size, chosen, restart_count, local_world_size, run_id)
+    dist.init_process_group(
+        backend_for(chosen),
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=chosen if chosen.type == "cuda" else None,
+    )
+    return DistContext(
+        rank, local_rank, world_size, chosen, restart_count, local_world_size, run_id
+    )
 
 
 def set_cpu_threads(ctx: DistContext, requested: int = 0) -> int:
@@ -145,9 +159,15 @@ def set_cpu_threads(ctx: DistContext, requested: int = 0) -> int:
     # does not pin it to them: several one-process jobs on a node would otherwise each start a
     # thread per core, and spinning OpenMP threads that outnumber the cores make steps ~100x slower.
     slurm_cpus = int(os.environ.get("SLURM_CPUS_PER_TASK", "0") or 0)
-    if ctx.device.type != "cpu" or (requested == 0 and ctx.local_world_size == 1 and not slurm_cpus):
-        return torch.get_num_threads()  # GPU job, or alone on the node: torch's own default is right
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if ctx.device.type != "cpu" or (
+        requested == 0 and ctx.local_world_size == 1 and not slurm_cpus
+    ):
+        return (
+            torch.get_num_threads()
+        )  # GPU job, or alone on the node: torch's own default is right
+    cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
     cores = min(cores, slurm_cpus or cores)
     threads = requested or max(1, cores // ctx.local_world_size)
     torch.set_num_threads(threads)
@@ -173,11 +193,15 @@ def keep_freed_cpu_memory(device: torch.device, enabled: bool = True) -> str:
     """
     if not enabled or device.type != "cpu":
         return ""  # on a GPU the tensors live in PyTorch's caching allocator, which already reuses blocks
-    if any(k.startswith("MALLOC_") for k in os.environ) or "malloc" in os.environ.get("LD_PRELOAD", ""):
+    if any(k.startswith("MALLOC_") for k in os.environ) or "malloc" in os.environ.get(
+        "LD_PRELOAD", ""
+    ):
         return "allocator as set in the environment"
     try:
         libc = ctypes.CDLL("libc.so.6")
-        ok = libc.mallopt(M_MMAP_THRESHOLD, KEEP_BELOW_BYTES) and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
+        ok = libc.mallopt(M_MMAP_THRESHOLD, KEEP_BELOW_BYTES) and libc.mallopt(
+            M_TRIM_THRESHOLD, 2**31 - 1
+        )
     except (OSError, AttributeError):  # not glibc: macOS, musl, Windows
         return ""
     return "glibc malloc keeps freed memory" if ok else ""
@@ -210,12 +234,17 @@ def previous_attempt_report(ctx: DistContext) -> str:
         if not _JOB_STORE.check([f"{prefix}/world_size"]):
             return ""
         world = int(_JOB_STORE.get(f"{prefix}/world_size"))
-        notes = {r: _JOB_STORE.get(f"{prefix}/exit/{r}").decode()
-                 for r in range(world) if _JOB_STORE.check([f"{prefix}/exit/{r}"])}
+        notes = {
+            r: _JOB_STORE.get(f"{prefix}/exit/{r}").decode()
+            for r in range(world)
+            if _JOB_STORE.check([f"{prefix}/exit/{r}"])
+        }
     except Exception:  # noqa: BLE001 - a report, never a reason to fail
         return ""
     silent = [r for r in range(world) if r not in notes]
-    parts = [f"rank {r} died without a word (killed: SIGKILL, OOM killer or a lost node)" for r in silent]
+    parts = [
+        f"rank {r} died without a word (killed: SIGKILL, OOM killer or a lost node)" for r in silent
+    ]
     parts += [f"rank {r}: {note}" for r, note in notes.items()]
     return f"previous attempt (world size {world}): " + "; ".join(parts)
 
@@ -255,7 +284,9 @@ def is_main_process() -> bool:
     """Global rank 0, as the DistContext says; before setup_distributed, as the launcher says."""
     if _IS_MAIN is not None:
         return _IS_MAIN
-    return os.environ.get("RANK", "0") == "0"  # not set up yet: the launcher's word, so one rank prints
+    return (
+        os.environ.get("RANK", "0") == "0"
+    )  # not set up yet: the launcher's word, so one rank prints
 
 
 def print0(*args, **kwargs) -> None:

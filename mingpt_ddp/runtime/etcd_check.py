@@ -27,9 +27,11 @@ def etcd_v2_problem(endpoint: str, timeout_s: float = 5.0) -> str:
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"cannot ask {url} for its etcd version ({type(e).__name__}: {e}); is etcd running there?"
     if major_minor >= (3, 6):
-        return (f"etcd {version} at {url} has no v2 API (etcd 3.6 removed it), which torchrun's etcd and "
-                "etcd-v2 rendezvous need; run etcd 3.5 with --enable-v2 (pip install -e '.[etcd]' "
-                "brings one) or use --rdzv_backend=c10d")
+        return (
+            f"etcd {version} at {url} has no v2 API (etcd 3.6 removed it), which torchrun's etcd and "
+            "etcd-v2 rendezvous need; run etcd 3.5 with --enable-v2 (pip install -e '.[etcd]' "
+            "brings one) or use --rdzv_backend=c10d"
+        )
     try:
         urllib.request.urlopen(f"{url}/v2/keys", timeout=timeout_s).close()
     except urllib.error.HTTPError as e:
@@ -47,7 +49,13 @@ if __name__ == "__main__":
     try:
         import etcd  # noqa: F401 - python-etcd, the client torchrun's etcd backends import
     except ImportError:
-        problem = problem or "torchrun's etcd rendezvous needs python-etcd: pip install -e '.[etcd]'"
-    print(f"error: {problem}" if problem else f"etcd | {sys.argv[1]} serves the v2 API torchrun's "
-          "etcd and etcd-v2 rendezvous need", file=sys.stderr if problem else sys.stdout)
+        problem = (
+            problem or "torchrun's etcd rendezvous needs python-etcd: pip install -e '.[etcd]'"
+        )
+    print(
+        f"error: {problem}"
+        if problem
+        else f"etcd | {sys.argv[1]} serves the v2 API torchrun's etcd and etcd-v2 rendezvous need",
+        file=sys.stderr if problem else sys.stdout,
+    )
     sys.exit(1 if problem else 0)

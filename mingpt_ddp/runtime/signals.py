@@ -13,7 +13,7 @@ import os
 import signal
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 # A repeat of a stop signal within this many seconds is the same request delivered twice (by SLURM
 # and torchrun, or to the whole process group); a later one, like a second Ctrl-C, stops at once.

@@ -13,7 +13,8 @@ import io
 import os
 import shutil
 import tempfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -63,7 +64,9 @@ def copy_to_cpu(obj: Any) -> Any:
 ReadChecked = Callable[[str, "dict | None"], bytes]  # (name, its manifest fingerprint) -> its bytes
 
 
-def open_entry(entry: dict, layout: FileLayout | None, read: ReadChecked, map_location) -> OpenSnapshot:
+def open_entry(
+    entry: dict, layout: FileLayout | None, read: ReadChecked, map_location
+) -> OpenSnapshot:
     """Read and check every file of one committed snapshot; its metadata is then known, its tensors
     ready. A folder's files are staged in a local directory (DCP and DeepSpeed read a directory,
     wherever the snapshot is stored), each checked against the manifest as it is copied."""
@@ -92,8 +95,14 @@ def open_entry(entry: dict, layout: FileLayout | None, read: ReadChecked, map_lo
 class OpenSnapshot:
     """A snapshot whose files passed their checks: its metadata, and its tensors on request."""
 
-    def __init__(self, entry: dict, meta: dict, tensors: dict | None = None,
-                 layout: FileLayout | None = None, stage: str | None = None):
+    def __init__(
+        self,
+        entry: dict,
+        meta: dict,
+        tensors: dict | None = None,
+        layout: FileLayout | None = None,
+        stage: str | None = None,
+    ):
         self.entry, self.meta, self._tensors, self.layout = entry, meta, tensors, layout
         self.kind = entry.get("kind", "single")  # single, or the FileLayout's kind
         self.directory = stage  # where a multi-file snapshot's checked files are staged

@@ -12,8 +12,8 @@ any parallel mode and a new mode brings its layout along.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 META = "meta.pt"  # in a multi-file snapshot: everything but the model and optimizer tensors
 

@@ -63,15 +63,22 @@ def process_start(pid: int) -> str:
 def this_process() -> dict:
     """Who is taking the lease: enough for a person to find the holder, and for a rerun on the
     same machine to see that the holder is gone."""
-    return {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": process_start(os.getpid()),
-            "boot_id": _read_proc("/proc/sys/kernel/random/boot_id").strip()}
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "pid_start": process_start(os.getpid()),
+        "boot_id": _read_proc("/proc/sys/kernel/random/boot_id").strip(),
+    }
 
 
 def holder_is_gone(record: dict) -> bool:
     """True only when the holder ran on this machine (same host name and boot) and its process has exited.
     On another machine nothing can be known from here: only the lease's age tells."""
     me = this_process()
-    if not me["boot_id"] or (record.get("host"), record.get("boot_id")) != (me["host"], me["boot_id"]):
+    if not me["boot_id"] or (record.get("host"), record.get("boot_id")) != (
+        me["host"],
+        me["boot_id"],
+    ):
         return False
     return process_start(int(record.get("pid", -1))) != record.get("pid_start")
 
@@ -80,7 +87,11 @@ def _elapsed_clock() -> float:
     """Seconds on a clock that keeps counting while this process is stopped and while the machine is
     suspended (CLOCK_BOOTTIME on Linux): a holder must count its lease as spent across a laptop's
     sleep too, as the other jobs do."""
-    return time.clock_gettime(time.CLOCK_BOOTTIME) if hasattr(time, "CLOCK_BOOTTIME") else time.monotonic()
+    return (
+        time.clock_gettime(time.CLOCK_BOOTTIME)
+        if hasattr(time, "CLOCK_BOOTTIME")
+        else time.monotonic()
+    )
 
 
 def _when(t: float) -> str:
@@ -91,7 +102,13 @@ class Lease:
     """The lease on one snapshot path, as held (or sought) by one job; used by global rank 0 only."""
 
     def __init__(self, storage: Storage, url: str, owner: str, ttl_s: float, clock=time.time):
-        self.storage, self.url, self.owner, self.ttl_s, self.clock = storage, url, owner, ttl_s, clock
+        self.storage, self.url, self.owner, self.ttl_s, self.clock = (
+            storage,
+            url,
+            owner,
+            ttl_s,
+            clock,
+        )
         self.generation = 0
         self._version: str | None = None  # of lease.json as we last wrote it
         self._record: dict = {}
@@ -110,16 +127,24 @@ class Lease:
             how = self._may_take(record)
             generation = max(int(record.get("generation", 0)) if record else 0, min_generation) + 1
             now = self.clock()
-            new = {"owner": self.owner, "generation": generation, **this_process(), "started": now,
-                   "renewed": now, "ttl_s": self.ttl_s}
+            new = {
+                "owner": self.owner,
+                "generation": generation,
+                **this_process(),
+                "started": now,
+                "renewed": now,
+                "ttl_s": self.ttl_s,
+            }
             start = _elapsed_clock()
             written = self.storage.write_if(LEASE, json.dumps(new, indent=1).encode(), version)
             if written:
                 self.generation, self._record, self._version = generation, new, written
                 self._valid_until = start + self.ttl_s
                 return how
-        raise LeaseError(f"trainer_config.snapshot_path {self.url!r}: the lease kept changing while this job tried "
-                         "to take it; another job is starting on the same path")
+        raise LeaseError(
+            f"trainer_config.snapshot_path {self.url!r}: the lease kept changing while this job tried "
+            "to take it; another job is starting on the same path"
+        )
 
     def _read(self) -> tuple[dict | None, str | None]:
         data, version = self.storage.read_versioned(LEASE)
@@ -129,7 +154,10 @@ class Lease:
             record = json.loads(data)
             return (record if isinstance(record, dict) else {}), version
         except ValueError:
-            return {}, version  # unreadable: treated as free, but still replaced by compare-and-swap
+            return (
+                {},
+                version,
+            )  # unreadable: treated as free, but still replaced by compare-and-swap
 
     def _may_take(self, record: dict | None) -> str:
         if not record or record.get("released"):
@@ -145,7 +173,8 @@ class Lease:
             f"trainer_config.snapshot_path {self.url!r} is in use by another job: {record.get('owner')} "
             f"(host {record.get('host')}, pid {record.get('pid')}, since {_when(float(record.get('started', 0)))}); "
             f"its lease goes stale at {_when(renewed + ttl)} if that job stops; stop it, or give this run "
-            "its own trainer_config.run_dir")
+            "its own trainer_config.run_dir"
+        )
 
     # ------------------------------------------------------------- keeping it
     def start_renewing(self) -> None:
@@ -168,17 +197,21 @@ class Lease:
                 return
             start = _elapsed_clock()
             record = {**self._record, "renewed": self.clock()}
-            written = self.storage.write_if(LEASE, json.dumps(record, indent=1).encode(), self._version)
+            written = self.storage.write_if(
+                LEASE, json.dumps(record, indent=1).encode(), self._version
+            )
             if written:
                 self._record, self._version = record, written
                 self._valid_until = start + self.ttl_s
                 return
             current, _ = self._read()
             current = current or {}
-            self._lost = (f"this job lost the lease on trainer_config.snapshot_path {self.url!r} to job "
-                          f"{current.get('owner')} (host {current.get('host')}, pid {current.get('pid')}, generation "
-                          f"{current.get('generation')}) while it was not renewed for {self.ttl_s:g} s "
-                          "(paused or cut off); stopping without writing, the other job's snapshots stand")
+            self._lost = (
+                f"this job lost the lease on trainer_config.snapshot_path {self.url!r} to job "
+                f"{current.get('owner')} (host {current.get('host')}, pid {current.get('pid')}, generation "
+                f"{current.get('generation')}) while it was not renewed for {self.ttl_s:g} s "
+                "(paused or cut off); stopping without writing, the other job's snapshots stand"
+            )
 
     def check(self) -> None:
         """Raise LeaseError if another job has taken the lease. Cheap while the last renewal is recent;
@@ -200,6 +233,8 @@ class Lease:
             if not self._lost and self._version is not None:
                 record = {**self._record, "released": True, "renewed": self.clock()}
                 try:
-                    self.storage.write_if(LEASE, json.dumps(record, indent=1).encode(), self._version)
+                    self.storage.write_if(
+                        LEASE, json.dumps(record, indent=1).encode(), self._version
+                    )
                 except Exception:  # noqa: BLE001 - it will go stale instead
                     pass

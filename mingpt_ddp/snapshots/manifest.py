@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from mingpt_ddp.runtime.distributed import warn0
 from mingpt_ddp.snapshots.layout import FileLayout
@@ -38,8 +39,11 @@ def snapshot_name(step: int, generation: int, extension: str) -> str:
 
 def newest_first(entries: Entries) -> Entries:
     """By step; of two with one step (a fenced-out job's leftover), the later generation's first."""
-    return sorted(entries, key=lambda e: (e["step"], int(SNAPSHOT_RE.match(e["file"]).group(2) or 0)),
-                  reverse=True)
+    return sorted(
+        entries,
+        key=lambda e: (e["step"], int(SNAPSHOT_RE.match(e["file"]).group(2) or 0)),
+        reverse=True,
+    )
 
 
 def _is_count(x: Any) -> bool:
@@ -75,8 +79,11 @@ def entry_problem(entry: Any, layouts: dict[str, FileLayout]) -> str:
     for name, fingerprint in files.items():
         if not isinstance(name, str) or not layout.accepts(name):
             return f"shard file {name!r} is not a {kind} file name"
-        if not isinstance(fingerprint, dict) or not _is_count(fingerprint.get("bytes")) or \
-                not SHA256_RE.match(str(fingerprint.get("sha256"))):
+        if (
+            not isinstance(fingerprint, dict)
+            or not _is_count(fingerprint.get("bytes"))
+            or not SHA256_RE.match(str(fingerprint.get("sha256")))
+        ):
             return f"shard file {name!r} has no size and sha256"
     return ""
 
@@ -99,30 +106,42 @@ class Manifest:
             if not isinstance(entries, list) or not _is_count(generation):
                 raise TypeError("snapshots is not a list or generation is not a count")
         except (ValueError, KeyError, TypeError) as e:
-            warn0(f"snapshot manifest {self.url}/{MANIFEST} is unreadable ({e}); "
-                  "looking for single-file snapshots (sharded ones need the manifest)")
+            warn0(
+                f"snapshot manifest {self.url}/{MANIFEST} is unreadable ({e}); "
+                "looking for single-file snapshots (sharded ones need the manifest)"
+            )
             return [], 0, version
         good = []
         for entry in entries:
             if problem := entry_problem(entry, self.layouts):
-                warn0(f"snapshot manifest {self.url}/{MANIFEST}: entry {json.dumps(entry)[:160]} skipped ({problem})")
+                warn0(
+                    f"snapshot manifest {self.url}/{MANIFEST}: entry {json.dumps(entry)[:160]} skipped ({problem})"
+                )
             else:
                 good.append(entry)
         return good, generation, version
 
-    def update(self, change: Callable[[Entries], tuple[Entries, Entries]], generation: int | None) -> Entries:
+    def update(
+        self, change: Callable[[Entries], tuple[Entries, Entries]], generation: int | None
+    ) -> Entries:
         """Replace the manifest with change(entries) -> (kept, dropped), as one compare-and-swap; returns
         the dropped entries. generation: this job's lease generation, refused (LeaseError) if the
         manifest was committed by a newer one; None: no lease, keep the recorded generation."""
-        for _ in range(5):  # a lost compare-and-swap: read again (the refusal below ends it if fenced out)
+        for _ in range(
+            5
+        ):  # a lost compare-and-swap: read again (the refusal below ends it if fenced out)
             entries, recorded, version = self.read()
             if generation is not None and recorded > generation:
-                raise LeaseError(f"snapshot commit refused: this job holds lease generation {generation}, but "
-                                 f"{self.url}/{MANIFEST} was committed by generation {recorded}; another job has "
-                                 "taken over this snapshot path, and its snapshots stand")
+                raise LeaseError(
+                    f"snapshot commit refused: this job holds lease generation {generation}, but "
+                    f"{self.url}/{MANIFEST} was committed by generation {recorded}; another job has "
+                    "taken over this snapshot path, and its snapshots stand"
+                )
             kept, dropped = change(entries)
             doc = {"generation": recorded if generation is None else generation, "snapshots": kept}
             if self.storage.write_if(MANIFEST, json.dumps(doc, indent=1).encode(), version):
                 return dropped
-        raise RuntimeError(f"{self.url}/{MANIFEST} kept changing under this job's commit; is another job "
-                           "writing to this snapshot path without a lease (trainer_config.lease_ttl_s=0)?")
+        raise RuntimeError(
+            f"{self.url}/{MANIFEST} kept changing under this job's commit; is another job "
+            "writing to this snapshot path without a lease (trainer_config.lease_ttl_s=0)?"
+        )

@@ -72,12 +72,26 @@ class Vote:
 class Checkpointer:
     """One run's snapshots: resume from the newest, save on schedule, vote on what a failure means."""
 
-    def __init__(self, state: Snapshottable, store: SnapshotStore, cfg, is_main: bool,
-                 control: ControlPlane, metrics):
+    def __init__(
+        self,
+        state: Snapshottable,
+        store: SnapshotStore,
+        cfg,
+        is_main: bool,
+        control: ControlPlane,
+        metrics,
+    ):
         self.state, self.store, self.cfg, self.is_main = state, store, cfg, is_main
-        self.control, self.metrics = control, metrics  # metrics: where each save's stall is recorded
-        self.failed_saves = 0  # save points in a row whose snapshot could not be written (rank 0 counts)
-        self._counted_since: dict | None = None  # the snapshot committed when the count last started
+        self.control, self.metrics = (
+            control,
+            metrics,
+        )  # metrics: where each save's stall is recorded
+        self.failed_saves = (
+            0  # save points in a row whose snapshot could not be written (rank 0 counts)
+        )
+        self._counted_since: dict | None = (
+            None  # the snapshot committed when the count last started
+        )
 
     def resume(self) -> None:
         """Continue from the newest usable snapshot, or start fresh. Collective: every rank ends at
@@ -91,12 +105,16 @@ class Checkpointer:
                 state = {**snapshot.meta, **self.state.read_tensors(snapshot)}  # 2. the tensors
         steps = self.control.gather(state["step"] if state else None)
         if len(set(steps)) > 1:  # e.g. one node could not read the newest snapshot and fell back
-            raise SnapshotError(f"ranks loaded different snapshots (steps {steps}) from {self.store.url!r}; "
-                                "check that every node sees the same snapshot storage "
-                                "(trainer_config.run_dir / snapshot_path)")
+            raise SnapshotError(
+                f"ranks loaded different snapshots (steps {steps}) from {self.store.url!r}; "
+                "check that every node sees the same snapshot storage "
+                "(trainer_config.run_dir / snapshot_path)"
+            )
         if state is None:
             print0(f"resume | no snapshot under {self.store.url} | starting fresh at step 0")
-            self.metrics.truncate_after(0)  # records of an earlier run here are not this run's history
+            self.metrics.truncate_after(
+                0
+            )  # records of an earlier run here are not this run's history
             return
         self.state.load_state_dict(state)
         print0(f"resume | {self.state.position()} | from {self.store.url}")
@@ -105,24 +123,36 @@ class Checkpointer:
     def check_compatible(self, snapshot: OpenSnapshot) -> None:
         """Refuse a snapshot of another model shape, optimizer, partitioning or vocabulary, naming
         what differs."""
-        meta, mine, where = snapshot.meta, self.state.identity(), f"snapshot under {self.store.url!r}"
+        meta, mine, where = (
+            snapshot.meta,
+            self.state.identity(),
+            f"snapshot under {self.store.url!r}",
+        )
         # A field a snapshot does not name was added since it was written: it had the default's meaning.
         saved_gpt = {**to_dict(GPTConfig()), **meta["config"]["gpt_config"]}
-        mismatched = [f"{f} (snapshot {saved_gpt.get(f)!r}, config {mine['gpt_config'][f]!r})"
-                      for f in GPTConfig.SHAPE_FIELDS if saved_gpt.get(f) != mine["gpt_config"][f]]
+        mismatched = [
+            f"{f} (snapshot {saved_gpt.get(f)!r}, config {mine['gpt_config'][f]!r})"
+            for f in GPTConfig.SHAPE_FIELDS
+            if saved_gpt.get(f) != mine["gpt_config"][f]
+        ]
         if mismatched:
-            raise SnapshotMismatch(f"{where} is for another model shape: {'; '.join(mismatched)}; "
-                                   "use matching gpt_config/data_config settings or another "
-                                   "trainer_config.run_dir")
+            raise SnapshotMismatch(
+                f"{where} is for another model shape: {'; '.join(mismatched)}; "
+                "use matching gpt_config/data_config settings or another "
+                "trainer_config.run_dir"
+            )
         saved = meta["config"].get("optimizer_config", {}).get("optimizer", "adamw")
         if saved != mine["optimizer"]:
             raise SnapshotMismatch(
                 f"{where} holds {saved} state, and this run uses {mine['optimizer']}; resume with "
-                f"optimizer_config.optimizer={saved}, or use another trainer_config.run_dir")
+                f"optimizer_config.optimizer={saved}, or use another trainer_config.run_dir"
+            )
         self.state.check_layout(snapshot, where)
         if meta["vocab"] != mine["vocab"]:
-            raise SnapshotMismatch(f"{where} was trained on a different vocabulary; use the same "
-                                   "data_config.path or another trainer_config.run_dir")
+            raise SnapshotMismatch(
+                f"{where} was trained on a different vocabulary; use the same "
+                "data_config.path or another trainer_config.run_dir"
+            )
 
     def save_and_vote(self, last: bool, stop_signal: int | None) -> Vote:
         """Snapshot if it is time, then one all-reduce through which every rank learns whether rank 0
@@ -152,8 +182,11 @@ class Checkpointer:
     def _act_on(self, vote: Vote, failure: Exception | None, last: bool) -> Vote:
         """Raise for the verdicts that end the run here; warn for a failed save; else the vote."""
         if vote.verdict == Verdict.LEASE_LOST:
-            raise failure if isinstance(failure, LeaseError) else \
-                LeaseError("rank 0 lost the snapshot path to another job")
+            raise (
+                failure
+                if isinstance(failure, LeaseError)
+                else LeaseError("rank 0 lost the snapshot path to another job")
+            )
         if vote.verdict == Verdict.SAVES_FAILING:
             raise SnapshotError(self._failed_save_message(failure, last, fatal=True))
         if vote.verdict == Verdict.SAVE_FAILED:
@@ -164,37 +197,48 @@ class Checkpointer:
     def save(self, block: bool = False) -> float:
         """Save the current state; returns (and records in the metrics) the seconds training was stalled."""
         stalled = self._write(block)
-        self.metrics.write({"step": self.state.step, "event": "snapshot", "stall_ms": round(1e3 * stalled, 2)})
+        self.metrics.write(
+            {"step": self.state.step, "event": "snapshot", "stall_ms": round(1e3 * stalled, 2)}
+        )
         return stalled
 
     def _write(self, block: bool) -> float:
         t0, step, layout = time.perf_counter(), self.state.step, self.state.layout
         if layout is not None:  # every rank writes its own files (shards, partitions), in parallel
-            entry = self.store.save_files(self.state.write_files, self.state.meta_state(), step,
-                                          self.is_main, layout.kind)
+            entry = self.store.save_files(
+                self.state.write_files, self.state.meta_state(), step, self.is_main, layout.kind
+            )
             if entry:
-                print0(f"snapshot | step {step} | {entry['bytes'] / 1e6:.1f} MB in {len(entry['files'])} "
-                       f"files ({layout.kind}) | {time.perf_counter() - t0:.2f} s | "
-                       f"{self.store.url}/{entry['file']}")
+                print0(
+                    f"snapshot | step {step} | {entry['bytes'] / 1e6:.1f} MB in {len(entry['files'])} "
+                    f"files ({layout.kind}) | {time.perf_counter() - t0:.2f} s | "
+                    f"{self.store.url}/{entry['file']}"
+                )
             return time.perf_counter() - t0
         state = self.state.state_dict()  # every rank takes part in gathering the RNG states...
         if not self.is_main:  # ...but only global rank 0 writes: one snapshot per job, not per node
             return time.perf_counter() - t0
         if self.cfg.async_save and not block:
             self.store.save_async(state, step)
-            print0(f"snapshot | step {step} | copied to CPU in {time.perf_counter() - t0:.3f} s, "
-                   "writing in the background")
+            print0(
+                f"snapshot | step {step} | copied to CPU in {time.perf_counter() - t0:.3f} s, "
+                "writing in the background"
+            )
         else:
             self.store.wait()  # a background save still in flight must land first
             entry = self.store.save(state, step)
-            print0(f"snapshot | step {step} | {entry['bytes'] / 1e6:.1f} MB | "
-                   f"{time.perf_counter() - t0:.2f} s | {self.store.url}/{entry['file']}")
+            print0(
+                f"snapshot | step {step} | {entry['bytes'] / 1e6:.1f} MB | "
+                f"{time.perf_counter() - t0:.2f} s | {self.store.url}/{entry['file']}"
+            )
         return time.perf_counter() - t0
 
     def stop_for(self, signum: int) -> None:
         """Stopped by a signal on some rank: every rank saves the current step (if not just saved)."""
-        print0(f"preempted | {signal.Signals(signum).name} received | "
-               f"saving step {self.state.step}; rerun the same command to continue")
+        print0(
+            f"preempted | {signal.Signals(signum).name} received | "
+            f"saving step {self.state.step}; rerun the same command to continue"
+        )
         if self.state.step % self.cfg.save_every:
             try:
                 self.save(block=True)
@@ -212,12 +256,21 @@ class Checkpointer:
 
     def _failed_save_message(self, error: Exception | None, last: bool, fatal: bool) -> str:
         committed = self.store.last_committed
-        resume = f"step {committed['step']} ({self.store.url}/{committed['file']})" if committed else \
-            "step 0 (no snapshot yet)"
+        resume = (
+            f"step {committed['step']} ({self.store.url}/{committed['file']})"
+            if committed
+            else "step 0 (no snapshot yet)"
+        )
         error = error or "a snapshot save failed on another rank"
         if fatal:
-            why = "the last save of this run failed" if last else f"{self.failed_saves} saves in a row failed"
+            why = (
+                "the last save of this run failed"
+                if last
+                else f"{self.failed_saves} saves in a row failed"
+            )
             return f"{why} ({error}); a rerun resumes from {resume}"
-        return (f"{error}; training goes on and tries again at the next save point ({self.failed_saves} of "
-                f"trainer_config.max_failed_saves={self.cfg.max_failed_saves} in a row); a rerun now would "
-                f"resume from {resume}")
+        return (
+            f"{error}; training goes on and tries again at the next save point ({self.failed_saves} of "
+            f"trainer_config.max_failed_saves={self.cfg.max_failed_saves} in a row); a rerun now would "
+            f"resume from {resume}"
+        )

@@ -30,7 +30,12 @@ def check_name(name: str) -> str:
     file). No absolute path, no '..' or '.', no backslash: nothing read from a manifest or a listing
     can reach outside the storage root, whatever it says."""
     parts = name.split("/") if isinstance(name, str) else []
-    if not 1 <= len(parts) <= 2 or any(p in ("", ".", "..") for p in parts) or "\\" in name or "\0" in name:
+    if (
+        not 1 <= len(parts) <= 2
+        or any(p in ("", ".", "..") for p in parts)
+        or "\\" in name
+        or "\0" in name
+    ):
         raise ValueError(f"unsafe object name {name!r}: not a plain name under the snapshot path")
     return name
 
@@ -103,7 +108,9 @@ class LocalStorage:
         NFSv4 (the Linux client turns it into an NFS lock); on a filesystem without locking (some FUSE
         mounts) two writers racing within one write can both succeed."""
         os.makedirs(self.root, exist_ok=True)
-        fd = os.open(os.path.join(self.root, f".{check_name(name)}.lock"), os.O_CREAT | os.O_RDWR, 0o644)
+        fd = os.open(
+            os.path.join(self.root, f".{check_name(name)}.lock"), os.O_CREAT | os.O_RDWR, 0o644
+        )
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             return _compare_then_write(self, name, data, version)
@@ -119,7 +126,11 @@ class LocalStorage:
 
     def list(self) -> list[str]:
         """Names under the root, without hidden ones (temp files of writes in flight, lock files)."""
-        return [n for n in os.listdir(self.root) if not n.startswith(".")] if os.path.isdir(self.root) else []
+        return (
+            [n for n in os.listdir(self.root) if not n.startswith(".")]
+            if os.path.isdir(self.root)
+            else []
+        )
 
 
 def s3_client(endpoint_url: str = ""):
@@ -129,8 +140,12 @@ def s3_client(endpoint_url: str = ""):
     from botocore.config import Config
 
     return boto3.session.Session().client(
-        "s3", endpoint_url=endpoint_url or None,
-        config=Config(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=10, read_timeout=120))
+        "s3",
+        endpoint_url=endpoint_url or None,
+        config=Config(
+            retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=10, read_timeout=120
+        ),
+    )
 
 
 class S3Storage:
@@ -149,14 +164,18 @@ class S3Storage:
         parsed = urlparse(url)
         self.bucket, self.prefix = parsed.netloc, parsed.path.strip("/")
         self.client = s3_client(endpoint_url)
-        self.transfer = TransferConfig(multipart_threshold=16 << 20, multipart_chunksize=16 << 20, max_concurrency=8)
+        self.transfer = TransferConfig(
+            multipart_threshold=16 << 20, multipart_chunksize=16 << 20, max_concurrency=8
+        )
 
     def _key(self, name: str) -> str:
         check_name(name)
         return f"{self.prefix}/{name}" if self.prefix else name
 
     def write(self, name: str, data: bytes) -> None:
-        self.client.upload_fileobj(io.BytesIO(data), self.bucket, self._key(name), Config=self.transfer)
+        self.client.upload_fileobj(
+            io.BytesIO(data), self.bucket, self._key(name), Config=self.transfer
+        )
 
     def read(self, name: str) -> bytes:
         from botocore.exceptions import ClientError
@@ -190,9 +209,14 @@ class S3Storage:
 
         condition = {"IfMatch": version} if version else {"IfNoneMatch": "*"}
         try:
-            return self.client.put_object(Bucket=self.bucket, Key=self._key(name), Body=data, **condition)["ETag"]
+            return self.client.put_object(
+                Bucket=self.bucket, Key=self._key(name), Body=data, **condition
+            )["ETag"]
         except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict"):
+            if e.response.get("Error", {}).get("Code") in (
+                "PreconditionFailed",
+                "ConditionalRequestConflict",
+            ):
                 return None
             raise
 
@@ -202,8 +226,14 @@ class S3Storage:
     def list(self) -> list[str]:
         prefix = f"{self.prefix}/" if self.prefix else ""
         names = []
-        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
-            names += [obj["Key"][len(prefix):] for obj in page.get("Contents", []) if "/" not in obj["Key"][len(prefix):]]
+        for page in self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=prefix
+        ):
+            names += [
+                obj["Key"][len(prefix) :]
+                for obj in page.get("Contents", [])
+                if "/" not in obj["Key"][len(prefix) :]
+            ]
         return names
 
 
@@ -251,8 +281,14 @@ Storage = LocalStorage | S3Storage | FsspecStorage
 def storage_hint(error: Exception, setting: str, otherwise: str) -> str:
     """What to fix, for the storage errors people actually hit (setting: the config key naming the URL)."""
     text = f"{type(error).__name__}: {error}"
-    if "Credentials" in type(error).__name__ or "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text:
-        return "check the AWS credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE)"
+    if (
+        "Credentials" in type(error).__name__
+        or "InvalidAccessKeyId" in text
+        or "SignatureDoesNotMatch" in text
+    ):
+        return (
+            "check the AWS credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE)"
+        )
     if "NoSuchBucket" in text:
         return f"create the bucket or fix the bucket name in {setting}"
     if "EndpointConnection" in type(error).__name__ or "Connect" in type(error).__name__:
@@ -265,7 +301,7 @@ def open_storage(url: str, s3_endpoint_url: str = "") -> Storage:
     if "://" not in url:
         return LocalStorage(url)
     if url.startswith("file://"):
-        return LocalStorage(url[len("file://"):])
+        return LocalStorage(url[len("file://") :])
     if url.startswith("s3://"):
         return S3Storage(url, s3_endpoint_url)
     return FsspecStorage(url)

@@ -50,7 +50,8 @@ import tempfile
 import threading
 import time
 import uuid
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -60,7 +61,6 @@ from mingpt_ddp.snapshots.files import OpenSnapshot, copy_to_cpu, fingerprint, o
 from mingpt_ddp.snapshots.layout import META, FileLayout
 from mingpt_ddp.snapshots.lease import Lease, LeaseError
 from mingpt_ddp.snapshots.manifest import (
-    MANIFEST,
     SNAPSHOT_RE,
     Manifest,
     newest_first,
@@ -68,8 +68,13 @@ from mingpt_ddp.snapshots.manifest import (
 )  # noqa: F401 - MANIFEST for users
 from mingpt_ddp.snapshots.storage import open_storage, storage_hint
 
+
 def _hint(error: Exception) -> str:
-    return storage_hint(error, "trainer_config.snapshot_path", "point trainer_config.snapshot_path at a writable location")
+    return storage_hint(
+        error,
+        "trainer_config.snapshot_path",
+        "point trainer_config.snapshot_path at a writable location",
+    )
 
 
 def strategy_layouts() -> dict[str, FileLayout]:
@@ -85,18 +90,28 @@ class SnapshotStore:
     layouts: the FileLayouts of the multi-file snapshots it may write and read, by kind; by default
     those the registered parallel strategies declare (mingpt_ddp/parallel/registry.py)."""
 
-    def __init__(self, url: str, keep_last: int = 3, s3_endpoint_url: str = "", save_attempts: int = 3,
-                 layouts: dict[str, FileLayout] | None = None):
+    def __init__(
+        self,
+        url: str,
+        keep_last: int = 3,
+        s3_endpoint_url: str = "",
+        save_attempts: int = 3,
+        layouts: dict[str, FileLayout] | None = None,
+    ):
         self.url = url
         self.layouts = strategy_layouts() if layouts is None else layouts
         self.keep_last = keep_last
-        self.save_attempts = save_attempts  # per save, with backoff, before the save counts as failed
+        self.save_attempts = (
+            save_attempts  # per save, with backoff, before the save counts as failed
+        )
         self.storage = open_storage(url, s3_endpoint_url)
         by_extension = {layout.extension: layout for layout in self.layouts.values()}
         self.manifest = Manifest(self.storage, url, by_extension)
         self.lease: Lease | None = None  # taken by acquire() on the rank that commits
         self.generation = 0  # the lease generation this job writes under (0: no lease)
-        self.last_committed: dict | None = None  # the newest snapshot known good: where a rerun resumes
+        self.last_committed: dict | None = (
+            None  # the newest snapshot known good: where a rerun resumes
+        )
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -161,7 +176,7 @@ class SnapshotStore:
             except Exception:  # noqa: BLE001 - the last one propagates
                 if i + 1 == self.save_attempts:
                     raise
-                time.sleep(0.5 * 2 ** i)
+                time.sleep(0.5 * 2**i)
 
     @contextlib.contextmanager
     def _save_failures(self, what: str, step: int, tried: str = "") -> Iterator[None]:
@@ -173,8 +188,10 @@ class SnapshotStore:
         except LeaseError:
             raise
         except Exception as e:  # noqa: BLE001 - reported with a hint, whatever it is
-            raise SnapshotError(f"{what} of step {step} to {self.url!r} failed{tried} "
-                                f"({type(e).__name__}: {e}); {_hint(e)}") from e
+            raise SnapshotError(
+                f"{what} of step {step} to {self.url!r} failed{tried} "
+                f"({type(e).__name__}: {e}); {_hint(e)}"
+            ) from e
 
     def save(self, state: dict, step: int) -> dict:
         """Serialize and commit one snapshot now; returns its manifest entry."""
@@ -189,19 +206,26 @@ class SnapshotStore:
 
     def _publish(self, entry: dict) -> None:
         """Commit a written snapshot: the manifest names it, then old ones are deleted."""
+
         def change(current: list[dict]) -> tuple[list[dict], list[dict]]:
             # Entries at or after this step are from a run that was rolled back past them
             # (say a newer snapshot was corrupt and we resumed from an older one): replace them.
-            older = sorted((e for e in current if e["step"] < entry["step"]), key=lambda e: e["step"])
-            stale = [e for e in current if e["step"] >= entry["step"] and e["file"] != entry["file"]]
+            older = sorted(
+                (e for e in current if e["step"] < entry["step"]), key=lambda e: e["step"]
+            )
+            stale = [
+                e for e in current if e["step"] >= entry["step"] and e["file"] != entry["file"]
+            ]
             entries = older + [entry]
-            return entries[-self.keep_last:], entries[:-self.keep_last] + stale
+            return entries[-self.keep_last :], entries[: -self.keep_last] + stale
 
         try:
             generation = self.generation if self.lease is not None else None
             dropped = self._retry(lambda: self.manifest.update(change, generation))  # 2. commit
         except LeaseError:
-            self._delete(entry)  # fenced out: its files are its own (named by its generation), and now orphans
+            self._delete(
+                entry
+            )  # fenced out: its files are its own (named by its generation), and now orphans
             raise
         self.last_committed = entry
         for old in dropped:  # 3. only now is it safe to forget old snapshots
@@ -213,10 +237,13 @@ class SnapshotStore:
                 self.storage.delete(f"{entry['file']}/{name}")
             self.storage.delete(entry["file"])
         except Exception as e:  # noqa: BLE001 - a leftover file is not lost work
-            warn0(f"could not delete {self.url}/{entry['file']} ({type(e).__name__}: {e}); it can be removed by hand")
+            warn0(
+                f"could not delete {self.url}/{entry['file']} ({type(e).__name__}: {e}); it can be removed by hand"
+            )
 
-    def save_files(self, write: Callable[[str], str], meta: dict | None, step: int, is_main: bool,
-                   kind: str) -> dict | None:
+    def save_files(
+        self, write: Callable[[str], str], meta: dict | None, step: int, is_main: bool, kind: str
+    ) -> dict | None:
         """Collective: every rank writes its own part of the state, in parallel.
 
         write(stage) writes this rank's files into a rank-local staging directory and returns the
@@ -240,12 +267,19 @@ class SnapshotStore:
             meta_bytes = serialize(meta)
             self._retry(lambda: self.storage.write(f"{name}/{META}", meta_bytes))
             files[META] = fingerprint(meta_bytes)
-            entry = {"file": name, "step": step, "kind": kind, "files": files,
-                     "bytes": sum(f["bytes"] for f in files.values())}
+            entry = {
+                "file": name,
+                "step": step,
+                "kind": kind,
+                "files": files,
+                "bytes": sum(f["bytes"] for f in files.values()),
+            }
             self._publish(entry)
             return entry
 
-    def _store_own_files(self, write: Callable[[str], str], name: str, kind: str) -> tuple[dict, str | None]:
+    def _store_own_files(
+        self, write: Callable[[str], str], name: str, kind: str
+    ) -> tuple[dict, str | None]:
         """This rank's part of save_files: its files written, stored, fingerprinted; or the error."""
         mine, error = {}, None
         with tempfile.TemporaryDirectory(prefix=f"{kind}-stage-") as stage:
@@ -275,10 +309,14 @@ class SnapshotStore:
             t0 = time.perf_counter()
             try:
                 entry = self._commit(serialize(cpu_state), step)
-                print0(f"snapshot | step {step} | {entry['bytes'] / 1e6:.1f} MB | written in background "
-                       f"in {time.perf_counter() - t0:.2f} s | {self.url}/{entry['file']}")
+                print0(
+                    f"snapshot | step {step} | {entry['bytes'] / 1e6:.1f} MB | written in background "
+                    f"in {time.perf_counter() - t0:.2f} s | {self.url}/{entry['file']}"
+                )
             except BaseException as e:  # noqa: BLE001 - handed to the training thread
-                warn0(f"background snapshot save of step {step} to {self.url} failed: {type(e).__name__}: {e}")
+                warn0(
+                    f"background snapshot save of step {step} to {self.url} failed: {type(e).__name__}: {e}"
+                )
                 self._error = e
 
         self._thread = threading.Thread(target=write, name=f"snapshot-{step}", daemon=True)
@@ -289,8 +327,10 @@ class SnapshotStore:
             error, self._error = self._error, None
             if isinstance(error, LeaseError):
                 raise error
-            raise SnapshotError(f"background snapshot save to {self.url!r} failed "
-                                f"({type(error).__name__}: {error}); {_hint(error)}") from error
+            raise SnapshotError(
+                f"background snapshot save to {self.url!r} failed "
+                f"({type(error).__name__}: {error}); {_hint(error)}"
+            ) from error
 
     def wait(self) -> None:
         """Block until the background save (if any) has finished; raise if it failed."""
@@ -310,7 +350,9 @@ class SnapshotStore:
     def _read_checked(self, name: str, expected: dict | None) -> bytes:
         data = self.storage.read(name)
         if expected and len(data) != expected["bytes"]:
-            raise SnapshotError(f"{name}: size {len(data)} bytes, manifest says {expected['bytes']}")
+            raise SnapshotError(
+                f"{name}: size {len(data)} bytes, manifest says {expected['bytes']}"
+            )
         if expected and hashlib.sha256(data).hexdigest() != expected["sha256"]:
             raise SnapshotError(f"{name}: checksum mismatch")
         return data
@@ -318,11 +360,15 @@ class SnapshotStore:
     def _open(self, entry: dict, map_location) -> OpenSnapshot:
         layout = self.layouts.get(entry["kind"]) if "kind" in entry else None
         if "kind" in entry and layout is None:
-            raise SnapshotError(f"written by a parallel mode this version does not know ({entry['kind']})")
+            raise SnapshotError(
+                f"written by a parallel mode this version does not know ({entry['kind']})"
+            )
         return open_entry(entry, layout, self._read_checked, map_location)
 
     @contextlib.contextmanager
-    def open_latest(self, map_location: str | torch.device = "cpu") -> Iterator[OpenSnapshot | None]:
+    def open_latest(
+        self, map_location: str | torch.device = "cpu"
+    ) -> Iterator[OpenSnapshot | None]:
         """The newest snapshot whose files all pass their size and checksum checks, or None.
 
         Loading is two explicit steps: this reads the metadata (step, config, vocabulary...),
@@ -335,8 +381,10 @@ class SnapshotStore:
             try:
                 snapshot = self._open(entry, map_location)
             except Exception as e:  # noqa: BLE001 - fall back to the previous snapshot
-                warn0(f"snapshot {self.url}/{entry['file']} is unusable ({type(e).__name__}: {e}); "
-                      "trying the previous one")
+                warn0(
+                    f"snapshot {self.url}/{entry['file']} is unusable ({type(e).__name__}: {e}); "
+                    "trying the previous one"
+                )
                 continue
             self.last_committed = entry
             try:
