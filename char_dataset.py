@@ -38,7 +38,8 @@ __all__ = [
 
 
 class CharTokenizer:
-    """Maps characters to integer ids and back. The vocabulary is a string of distinct characters."""
+    """Maps characters to integer ids and back. The vocabulary is a string of distinct
+    characters."""
 
     def __init__(self, chars: str):
         self.chars = chars
@@ -114,7 +115,8 @@ class TokenFile:
 
 
 class TokenWindows:
-    """All windows of length block_size (+1 for the target) in the region [begin, end) of a token file."""
+    """All windows of length block_size (+1 for the target) in the region [begin, end) of a token
+    file."""
 
     def __init__(self, tokens: TokenFile, begin: int, end: int, block_size: int):
         self.tokens, self.begin, self.end, self.block_size = tokens, begin, end, block_size
@@ -127,13 +129,15 @@ class TokenWindows:
         return x[0], y[0]
 
     def ids(self, starts: torch.Tensor) -> torch.Tensor:
-        """The windows that start at `starts` (B,) with their targets: (B, T+1) ids in the file's compact dtype."""
+        """The windows that start at `starts` (B,) with their targets: (B, T+1) ids in the file's
+        compact dtype."""
         if len(starts) and (int(starts.min()) < 0 or int(starts.max()) >= len(self)):
             raise IndexError(f"window starts must be in [0, {len(self)})")
         return self.tokens.gather([self.begin + s for s in starts.tolist()], self.block_size + 1)
 
     def batch(self, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The windows that start at `starts` (B,), as x, y of shape (B, T), int64 (y is x shifted by one)."""
+        """The windows that start at `starts` (B,), as x, y of shape (B, T), int64 (y is x shifted
+        by one)."""
         chunk = self.ids(starts).long()  # (B, T+1)
         return chunk[:, :-1], chunk[:, 1:]
 
@@ -147,7 +151,8 @@ class TokenWindows:
 
 def split_point(num_tokens: int, train_split: float) -> int:
     """How many ids the training region gets: floor(num_tokens * train_split), computed exactly
-    (train_split read as the decimal the user wrote, e.g. 0.9 = 9/10, not its binary approximation)."""
+    (train_split read as the decimal the user wrote, e.g. 0.9 = 9/10, not its binary
+    approximation)."""
     fraction = Fraction(str(train_split))
     return num_tokens * fraction.numerator // fraction.denominator
 
@@ -166,19 +171,21 @@ class CharDataset:
         T, n = cfg.block_size, meta["num_tokens"]
         if n < T + 1:
             raise DatasetError(
-                f"data_config.path: the text has {n} characters, fewer than block_size + 1 = {T + 1}; "
-                "use a longer text or a smaller data_config.block_size"
+                f"data_config.path: the text has {n} characters, fewer than "
+                f"block_size + 1 = {T + 1}; use a longer text or a smaller data_config.block_size"
             )
         n_train = split_point(n, cfg.train_split)
         if n_train < T + 1:
             raise DatasetError(
-                f"data_config.train_split: the training region has {n_train} characters, fewer than "
-                f"block_size + 1 = {T + 1}; raise data_config.train_split or lower data_config.block_size"
+                f"data_config.train_split: the training region has {n_train} characters, "
+                f"fewer than block_size + 1 = {T + 1}; raise data_config.train_split or lower "
+                "data_config.block_size"
             )
         if n - n_train < T + 1:
             raise DatasetError(
                 f"data_config.train_split: the validation region has {n - n_train} characters, "
-                f"fewer than block_size + 1 = {T + 1}; lower data_config.train_split or data_config.block_size"
+                f"fewer than block_size + 1 = {T + 1}; lower data_config.train_split or "
+                "data_config.block_size"
             )
         self.train = TokenWindows(self.tokens, 0, n_train, T)
         self.val = TokenWindows(self.tokens, n_train, n, T)

@@ -1,11 +1,11 @@
 """Entry point: read the config, join the process group, build data + model, train.
 
-    python main.py                                         # one process
-    torchrun --standalone --nproc_per_node=4 main.py       # four processes on this machine
-    torchrun --standalone --nproc_per_node=4 main.py trainer_config.max_steps=500   # Hydra overrides
-    python main.py model=gpt-mini parallel=none recipe=fast-cpu                      # config groups
-    python main.py --multirun optimizer_config.learning_rate=1e-3,3e-3 model=tiny,gpt-micro   # a sweep
-    python main.py --help                                  # the groups, and every key with its meaning
+    python main.py                                    # one process
+    torchrun --standalone --nproc_per_node=4 main.py  # four processes on this machine
+    torchrun --standalone --nproc_per_node=4 main.py trainer_config.max_steps=500  # overrides
+    python main.py model=gpt-mini parallel=none recipe=fast-cpu                     # config groups
+    python main.py --multirun optimizer_config.learning_rate=1e-3,3e-3 model=tiny,gpt-micro
+    python main.py --help                             # the groups, and every key with its meaning
 
 Every process of the job runs this same file. They differ only in the RANK /
 LOCAL_RANK the launcher gives them (read in mingpt_ddp/runtime/distributed.py). Rerunning the same
@@ -14,9 +14,7 @@ command resumes from the newest snapshot of the run (trainer_config.run_dir).
 
 from __future__ import annotations
 
-import atexit
 import os
-import re
 import sys
 import traceback
 import uuid
@@ -41,6 +39,12 @@ from char_dataset import CharDataset, DataConfig, DatasetError
 from data.fetch_shakespeare import FetchError, ensure_tinyshakespeare
 from mingpt_ddp.config import schema as config
 from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.launch import (
+    JobFailed,
+    give_sweep_job_its_own_directory,
+    hydra_error_line,
+    stop_sweep_workers,
+)
 from mingpt_ddp.parallel.plan import choose_precision
 from mingpt_ddp.runtime.distributed import (
     DistContext,
@@ -48,15 +52,13 @@ from mingpt_ddp.runtime.distributed import (
     barrier,
     exit_process,
     is_main_process,
-    keep_freed_cpu_memory,
-    launched_with_ranks,
     previous_attempt_report,
     print0,
     record_exit,
-    set_cpu_threads,
     setup_distributed,
     teardown_distributed,
 )
+from mingpt_ddp.runtime.host import keep_freed_cpu_memory, set_cpu_threads
 from mingpt_ddp.snapshots.lease import LeaseError
 from mingpt_ddp.snapshots.store import SnapshotError, SnapshotStore
 from model import GPT
@@ -114,10 +116,11 @@ def fetch_default_corpus(cfg: DataConfig, ctx: DistContext) -> None:
 
 
 def take_snapshot_path(store: SnapshotStore, ttl_s: float, ctx: DistContext) -> None:
-    """One writer per snapshot path: global rank 0, the rank that commits, takes the path's lease for
-    this job (mingpt_ddp/snapshots/lease.py) before anything is written; then every rank learns its generation, which
-    names the files it writes. The job's identity is torchrun's run id, so a restarted worker group
-    (or a new rank 0 after an elastic membership change) takes its own lease back at once."""
+    """One writer per snapshot path: global rank 0, the rank that commits, takes the path's lease
+    for this job (mingpt_ddp/snapshots/lease.py) before anything is written; then every rank learns
+    its generation, which names the files it writes. The job's identity is torchrun's run id, so a
+    restarted worker group (or a new rank 0 after an elastic membership change) takes its own lease
+    back at once."""
     if ttl_s <= 0:
         return  # trainer_config.lease_ttl_s=0: no lease, no fencing (docs/snapshots.md)
     how = on_all_ranks(
@@ -125,7 +128,8 @@ def take_snapshot_path(store: SnapshotStore, ttl_s: float, ctx: DistContext) -> 
     )
     store.generation = all_gather_objects(store.generation)[0]
     print0(
-        f"lease | {store.url} | generation {store.generation} | {how} | renewed every {ttl_s / 4:g} s"
+        f"lease | {store.url} | generation {store.generation} | {how} | "
+        f"renewed every {ttl_s / 4:g} s"
     )
 
 
@@ -152,7 +156,9 @@ def run(job) -> Outcome:
         # has been seen to abort the gloo teardown ("terminate called without an active exception").
         barrier()
         # Stopped by a signal: non-zero, so schedulers (Kubernetes, SLURM) know the job is not done.
-        return Outcome(0 if finished else 128 + (trainer.stop_signal or 15), trainer.last_val_loss)
+        return Outcome(
+            0 if finished else 128 + (trainer.stop_signal or 15), trainer.state.last_val_loss
+        )
     except (StartupError, *USER_ERRORS) as e:
         record_exit(ctx, f"{type(e).__name__}: {e}")
         print0(f"error: {e}", file=sys.stderr)  # every rank has the same message: rank 0 says it
@@ -169,7 +175,7 @@ def run(job) -> Outcome:
 
 
 def build_trainer(job, ctx: DistContext, store: SnapshotStore) -> Trainer:
-    """Data, model and Trainer, the snapshot path checked and taken, and the newest snapshot loaded."""
+    """Data, model and Trainer; the snapshot path checked and taken; the newest snapshot loaded."""
     data_cfg, gpt_cfg, tcfg = job.data_config, job.gpt_config, job.trainer_config
     on_all_ranks(lambda: fetch_default_corpus(data_cfg, ctx))
     dataset = load_dataset(data_cfg, tcfg)
@@ -192,7 +198,7 @@ def build_trainer(job, ctx: DistContext, store: SnapshotStore) -> Trainer:
         _KEEP_UNTIL_EXIT.append(trainer)
     # Probe the destination now, not at the first save an hour in: rank 0 writes single-file
     # snapshots; where every rank writes its own files (a layout), every rank probes.
-    writes = ctx.is_main or trainer.layout is not None
+    writes = ctx.is_main or trainer.strategy.layout is not None
     on_all_ranks(store.check_writable if writes else lambda: None)
     take_snapshot_path(store, tcfg.lease_ttl_s, ctx)
     on_all_ranks(trainer.checkpointer.resume)
@@ -214,7 +220,8 @@ def announce_job(ctx: DistContext, tcfg) -> None:
     )
     if ctx.restart_count and ctx.is_main:
         print0(
-            f"restart | torchrun restarted the workers (TORCHELASTIC_RESTART_COUNT={ctx.restart_count}) "
+            "restart | torchrun restarted the workers "
+            f"(TORCHELASTIC_RESTART_COUNT={ctx.restart_count}) "
             f"| {previous_attempt_report(ctx) or 'no report from the previous attempt'}"
         )
 
@@ -224,8 +231,9 @@ def load_dataset(data_cfg: DataConfig, tcfg) -> CharDataset:
     on its node (or on a shared cache_dir) wait on a file lock (mingpt_ddp/corpus/prepare.py)."""
     dataset = on_all_ranks(lambda: CharDataset(data_cfg, tcfg.s3_endpoint_url, log=print0))
     print0(
-        f"data | {data_cfg.path} | {dataset.num_tokens:,} characters | vocabulary {dataset.vocab_size} "
-        f"| {len(dataset.train):,} train / {len(dataset.val):,} val windows of {data_cfg.block_size} "
+        f"data | {data_cfg.path} | {dataset.num_tokens:,} characters | "
+        f"vocabulary {dataset.vocab_size} | {len(dataset.train):,} train / "
+        f"{len(dataset.val):,} val windows of {data_cfg.block_size} "
         f"| {dataset.prepared.meta['dtype']} ids in {dataset.prepared.directory}"
     )
     return dataset
@@ -250,40 +258,6 @@ def compose(overrides: list[str]) -> Any:
 
     with initialize_config_dir(config_dir=REPO, version_base=None):
         return hydra_compose(config_name="gpt2_train_cfg", overrides=overrides)
-
-
-def give_sweep_job_its_own_directory(cfg: DictConfig) -> str:
-    """In a --multirun sweep, put this job's files under its own directory (Hydra's job directory:
-    runs/sweep/<its overrides>), so jobs never share snapshots, metrics or TensorBoard events and a
-    rerun of the sweep resumes each from its own. Returns a problem, or "" if none."""
-    if launched_with_ranks():
-        return (
-            "--multirun under torchrun would run every rank's sweep in lockstep through one process group; "
-            "run sweeps as python main.py --multirun ... (one process per job), or one torchrun per setting"
-        )
-    job_dir = HydraConfig.get().runtime.output_dir
-    tcfg = cfg.trainer_config
-    for key in ("snapshot_path", "metrics_path"):
-        if tcfg[key] and tcfg[key] != "none" and job_dir not in os.path.abspath(tcfg[key]):
-            return (
-                f"trainer_config.{key}={tcfg[key]} would be shared by every job of this sweep; leave it "
-                f"empty (each job's goes under its own trainer_config.run_dir) or build it from the run_dir"
-            )
-    tcfg.run_dir = job_dir
-    return ""
-
-
-class JobFailed(Exception):
-    """A sweep job that did not finish. Raised from the task function, so that every launcher
-    (in this process, joblib's worker processes, submitit's SLURM jobs) records the job as failed
-    and the sweep exits non-zero; a module-level record would stay in the process that ran it."""
-
-    def __init__(self, code: int, job_dir: str):
-        super().__init__(code, job_dir)
-        self.code, self.job_dir = code, job_dir
-
-    def __str__(self) -> str:
-        return f"a sweep job failed with exit code {self.code} (its directory: {self.job_dir})"
 
 
 def train_job(cfg: DictConfig) -> float:
@@ -319,32 +293,6 @@ def train_job(cfg: DictConfig) -> float:
 main = hydra.main(config_path=REPO, config_name="gpt2_train_cfg", version_base=None)(train_job)
 
 
-def hydra_error_line(e: Exception) -> str:
-    """One line for a config Hydra could not compose: the unknown key as to_job says it, else
-    Hydra's own words (the key and its problem)."""
-    plugin = re.search(r"Could not find '(hydra/(?:launcher|sweeper))/([\w-]+)'", str(e))
-    if plugin:  # Hydra's launchers and sweepers are plugins, in the [sweeps] extra
-        return (
-            f"error: {plugin[1]}={plugin[2]} is not installed; Hydra's joblib and submitit launchers "
-            "and Optuna sweeper come with: pip install -e '.[sweeps]'"
-        )
-    for cause in _causes(
-        e
-    ):  # OmegaConf's "Key 'max_step' not in 'TrainerConfig'", with its full_key
-        if getattr(cause, "full_key", "") and re.match(r"Key '[^']*' not in ", str(cause)):
-            return f"error: {config.unknown_key_error(cause.full_key)}"
-    return "\n".join(str(c).strip() for c in _causes(e)[:2])  # Hydra's words and OmegaConf's
-
-
-def _causes(e: BaseException | None) -> list[BaseException]:
-    """e and what led to it (Hydra re-raises OmegaConf's errors, sometimes only as the context)."""
-    chain = []
-    while e is not None and e not in chain:
-        chain.append(e)
-        e = e.__cause__ or e.__context__
-    return chain
-
-
 def cli() -> None:
     """Run main() and exit the process with the job's code (a sweep: non-zero if any job failed)."""
     # Hydra's errors reach this function as exceptions, not as Hydra's printed report, so a config
@@ -376,19 +324,6 @@ def cli() -> None:
         code = 1
     stop_sweep_workers()
     exit_process(code)
-
-
-def stop_sweep_workers() -> None:
-    """Shut down the worker processes of Hydra's joblib launcher, if it ran. joblib keeps them for
-    reuse for 5 minutes; left running, they hold this process's stdout open that long, and
-    whatever reads it (a pipe, a test) waits for them."""
-    loky = sys.modules.get("joblib.externals.loky.reusable_executor")
-    executor = getattr(
-        loky, "_executor", None
-    )  # the one executor joblib reuses (loky's module global)
-    if executor is not None:
-        executor.shutdown(wait=True)
-        atexit._run_exitfuncs()  # joblib's: remove its shared-memory folder (exit_process skips them)
 
 
 if __name__ == "__main__":

@@ -18,10 +18,12 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from mingpt_ddp.config.model import MODEL_SIZES, GPTConfig  # noqa: F401 - the model's config, for learners
+from mingpt_ddp.errors import ConfigError
 
-# Named sizes (layers, heads, width): the options of the `model` config group (mingpt_ddp/config/schema.py),
-# e.g. python main.py model=gpt-mini. Most are minGPT's; gpt-micro is the default (nanoGPT's
-# CPU recipe), baby-gpt nanoGPT's shakespeare_char GPU model, gpt2 the 124M GPT-2 small.
+# Named sizes (layers, heads, width): the options of the `model` config group
+# (mingpt_ddp/config/schema.py), e.g. python main.py model=gpt-mini. Most are minGPT's; gpt-micro is
+# the default (nanoGPT's CPU recipe), baby-gpt nanoGPT's shakespeare_char GPU model, gpt2 the 124M
+# GPT-2 small.
 ACTIVATIONS = {"gelu": F.gelu, "relu2": lambda x: F.relu(x).square()}
 
 
@@ -38,7 +40,8 @@ class Rotary:
         self.tables: dict[torch.device, torch.Tensor] = {}
 
     def __call__(self, T: int, device: torch.device) -> torch.Tensor:
-        """e^(i * position * frequency) for each position and channel pair: (T, 1, 1, hs/2) complex."""
+        """e^(i * position * frequency) for each position and channel pair: (T, 1, 1, hs/2)
+        complex."""
         if device not in self.tables:
             angles = torch.outer(
                 torch.arange(self.block_size, dtype=torch.float32), self.freqs
@@ -65,7 +68,8 @@ class CausalSelfAttention(nn.Module):
         self.attn_dropout = cfg.attn_dropout
         self.qk_norm = cfg.qk_norm
         # Under autocast, run attention itself in fp32: on some CPUs the bf16 attention kernels are
-        # slower than fp32 ones. mingpt_ddp/parallel/plan.py decides, by timing both at start (autocast_attention_fp32).
+        # slower than fp32 ones. mingpt_ddp/parallel/plan.py decides, by timing both at start
+        # (autocast_attention_fp32).
         self.fp32_under_autocast = False
         # One matmul produces queries, keys and values for all heads at once.
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
@@ -74,7 +78,8 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.shape
-        # One matmul gives queries, keys and values, split into heads: (B, T, 3C) -> (B, T, 3, nh, hs).
+        # One matmul gives queries, keys and values, split into heads: (B, T, 3C) -> (B, T, 3, nh,
+        # hs).
         qkv = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head)
         qk, v = qkv[:, :, :2], qkv[:, :, 2]  # (B, T, 2, nh, hs): queries and keys, treated alike
         if self.qk_norm or rope is not None:
@@ -87,8 +92,9 @@ class CausalSelfAttention(nn.Module):
                 qk = F.rms_norm(qk, (qk.size(-1),))
             if rope is not None:
                 qk = rotate(qk, rope)
-        # Attention in fp32 inside autocast where that times faster (parallel.autocast_attention_fp32),
-        # else in v's precision (bf16 under autocast or FSDP's bf16 parameters, fp32 otherwise).
+        # Attention in fp32 inside autocast where that times faster
+        # (parallel.autocast_attention_fp32), else in v's precision (bf16 under autocast or FSDP's
+        # bf16 parameters, fp32 otherwise).
         fp32 = self.fp32_under_autocast and torch.is_autocast_enabled(x.device.type)
         dtype = torch.float32 if fp32 else v.dtype
         q, k = qk.unbind(2)
@@ -141,12 +147,13 @@ class GPT(nn.Module):
         super().__init__()
         if cfg.vocab_size <= 0 or cfg.block_size <= 0:
             raise ConfigError(
-                "GPTConfig.vocab_size and block_size must be set (from the dataset) before building GPT"
+                "GPTConfig.vocab_size and block_size must be set (from the dataset) "
+                "before building GPT"
             )
         self.config = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)  # token embedding
-        # Where a token is: a learned vector per position added to the input, or (rotary) a rotation of
-        # the queries and keys inside attention.
+        # Where a token is: a learned vector per position added to the input, or (rotary) a rotation
+        # of the queries and keys inside attention.
         self.wpe = None if cfg.rotary else nn.Embedding(cfg.block_size, cfg.n_embd)
         self.rotary = Rotary(cfg.n_embd // cfg.n_head, cfg.block_size) if cfg.rotary else None
         self.drop = nn.Dropout(cfg.dropout)
@@ -162,8 +169,8 @@ class GPT(nn.Module):
         # write into the residual stream scaled by 1/sqrt(2 * n_layer), so the
         # stream's variance does not grow with depth (two residual adds per block).
         self.apply(self._init_weights)
-        # zero_init_proj (modded-nanogpt): those projections, and an untied head, start at zero instead:
-        # every block starts as the identity and the first prediction is uniform.
+        # zero_init_proj (modded-nanogpt): those projections, and an untied head, start at zero
+        # instead: every block starts as the identity and the first prediction is uniform.
         for name, p in self.named_parameters():
             if cfg.zero_init_proj and (name.endswith("proj.weight") or name == "lm_head.weight"):
                 nn.init.zeros_(
@@ -187,7 +194,8 @@ class GPT(nn.Module):
         return n - self.wpe.weight.numel() if non_embedding and self.wpe is not None else n
 
     def flops_per_token(self) -> int:
-        """Training FLOPs per token (forward + backward): 6N for the matmuls plus attention (PaLM appendix B)."""
+        """Training FLOPs per token (forward + backward): 6N for the matmuls plus attention (PaLM
+        appendix B)."""
         cfg = self.config
         return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
 

@@ -1,7 +1,10 @@
-"""Pictures of training runs: loss curves and throughput from metrics files, and the benchmark chart.
+"""Pictures of training runs: loss curves and throughput from metrics files, and the benchmark
+chart.
 
-    python plot.py runs/shakespeare_char/metrics.jsonl                       # -> metrics.png beside it
-    python plot.py runs/a/metrics.jsonl runs/b/metrics.jsonl -o compare.png  # several runs, one figure
+    python plot.py runs/shakespeare_char/metrics.jsonl                       # -> metrics.png
+                                                                             #    beside it
+    python plot.py runs/a/metrics.jsonl runs/b/metrics.jsonl -o compare.png  # several runs,
+                                                                             # one figure
 
 Each metrics file is the JSON-lines history a run writes (trainer_config.metrics_path):
 one record per logged step with train_loss, tokens_per_sec and, at evaluations,
@@ -20,7 +23,8 @@ from mingpt_ddp.metrics import MetricsLog
 
 
 def pyplot():
-    """matplotlib's pyplot drawing to files (no display needed), or a one-line error naming the fix."""
+    """matplotlib's pyplot drawing to files (no display needed), or a one-line error naming the
+    fix."""
     try:
         import matplotlib
     except ImportError:
@@ -33,38 +37,47 @@ def pyplot():
     return plt
 
 
+def _plot_run(ax_loss, ax_speed, path: str, labelled: bool, color: str) -> None:
+    """One run's curves in one colour: train and val loss on the left panel, tokens/s on the right.
+    Kept out of plot_runs so that it reads as the figure's layout alone, however many runs there
+    are. labelled: several runs share the figure, so each curve is named after its run's directory.
+    """
+    records = MetricsLog.read(path)
+    if not records:
+        sys.exit(
+            f"error: {path} has no logged steps; "
+            "point plot.py at a trainer_config.metrics_path file"
+        )
+    label = os.path.basename(os.path.dirname(os.path.abspath(path))) if labelled else ""
+    steps = [r["step"] for r in records]
+    ax_loss.plot(
+        steps,
+        [r["train_loss"] for r in records],
+        color=color,
+        alpha=0.5,
+        label=f"{label} train".strip(),
+    )
+    evals = [r for r in records if "val_loss" in r]
+    ax_loss.plot(
+        [r["step"] for r in evals],
+        [r["val_loss"] for r in evals],
+        color=color,
+        marker="o",
+        markersize=3,
+        label=f"{label} val".strip(),
+    )
+    ax_speed.plot(
+        steps, [r["tokens_per_sec"] / 1e3 for r in records], color=color, label=label or None
+    )
+
+
 def plot_runs(paths: list[str], out: str, title: str = "") -> str:
-    """Train/val loss against tokens seen (left) and tokens/s against step (right), one colour per run."""
+    """Train/val loss against tokens seen (left) and tokens/s against step (right), one colour per
+    run."""
     plt = pyplot()
     fig, (ax_loss, ax_speed) = plt.subplots(1, 2, figsize=(11, 4))
     for i, path in enumerate(paths):
-        records = MetricsLog.read(path)
-        if not records:
-            sys.exit(
-                f"error: {path} has no logged steps; point plot.py at a trainer_config.metrics_path file"
-            )
-        label = os.path.basename(os.path.dirname(os.path.abspath(path))) if len(paths) > 1 else ""
-        color = f"C{i}"
-        steps = [r["step"] for r in records]
-        ax_loss.plot(
-            steps,
-            [r["train_loss"] for r in records],
-            color=color,
-            alpha=0.5,
-            label=f"{label} train".strip(),
-        )
-        evals = [r for r in records if "val_loss" in r]
-        ax_loss.plot(
-            [r["step"] for r in evals],
-            [r["val_loss"] for r in evals],
-            color=color,
-            marker="o",
-            markersize=3,
-            label=f"{label} val".strip(),
-        )
-        ax_speed.plot(
-            steps, [r["tokens_per_sec"] / 1e3 for r in records], color=color, label=label or None
-        )
+        _plot_run(ax_loss, ax_speed, path, len(paths) > 1, f"C{i}")
     ax_loss.set(xlabel="step", ylabel="cross-entropy loss (nats/char)", title="loss")
     ax_loss.legend()
     ax_loss.grid(alpha=0.3)
@@ -120,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.metrics:
         if not os.path.exists(path):
             sys.exit(
-                f"error: no metrics file at {path}; train first or pass trainer_config.metrics_path's value"
+                f"error: no metrics file at {path}; "
+                "train first or pass trainer_config.metrics_path's value"
             )
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.metrics[0])), "metrics.png")
     if importlib.util.find_spec("matplotlib") is None:  # the light install: a chart in the terminal
@@ -138,12 +152,14 @@ def text_chart(paths: list[str], width: int = 50) -> str:
         evals = [r for r in MetricsLog.read(path) if "val_loss" in r]
         if not evals:
             sys.exit(
-                f"error: {path} has no evaluations yet; point plot.py at a trainer_config.metrics_path file"
+                f"error: {path} has no evaluations yet; "
+                "point plot.py at a trainer_config.metrics_path file"
             )
         top = max(r["val_loss"] for r in evals)
         lines.append(f"val loss | {path}")
         lines += [
-            f"step {r['step']:>7} | {r['val_loss']:.4f} | {'#' * max(1, round(width * r['val_loss'] / top))}"
+            f"step {r['step']:>7} | {r['val_loss']:.4f} | "
+            f"{'#' * max(1, round(width * r['val_loss'] / top))}"
             for r in evals
         ]
     return "\n".join(lines)

@@ -3,7 +3,8 @@
 python sample.py                                   # newest snapshot of the default run
 python sample.py --snapshot runs/shakespeare_char/snapshots --prompt "ROMEO:" --chars 500
 python sample.py --snapshot s3://bucket/run/snapshots --device cuda --top-k 40 --seed 7
-python sample.py --snapshot model.pt               # a file from `python -m mingpt_ddp.snapshots consolidate`
+python sample.py --snapshot model.pt               # a file from
+                                                   # `python -m mingpt_ddp.snapshots consolidate`
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def load_model(snapshot: str, device: str) -> tuple[GPT, CharTokenizer, int]:
         with SnapshotStore(snapshot).open_latest(map_location="cpu") as opened:
             if opened is None:
                 raise SnapshotError(
-                    f"no snapshot under {snapshot!r}; train first or pass --snapshot <dir, URL or .pt>"
+                    f"no snapshot under {snapshot!r}; "
+                    "train first or pass --snapshot <dir, URL or .pt>"
                 )
             model = _model_for(opened.meta)
             # DCP shards load straight into this model's tensors (no optimizer needed).
@@ -46,7 +48,8 @@ def load_model(snapshot: str, device: str) -> tuple[GPT, CharTokenizer, int]:
 
 
 def _model_for(meta: dict) -> GPT:
-    """A GPT of the snapshot's shape (keys its version saved that GPTConfig no longer has are left out)."""
+    """A GPT of the snapshot's shape (keys its version saved that GPTConfig no longer has are left
+    out)."""
     saved = meta["config"]["gpt_config"]
     return GPT(GPTConfig(**{f.name: saved[f.name] for f in fields(GPTConfig) if f.name in saved}))
 

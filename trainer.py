@@ -16,8 +16,6 @@ depend on the world size, a snapshot taken with 4 ranks resumes correctly with 2
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -28,17 +26,16 @@ from char_dataset import CharDataset
 from mingpt_ddp.config.deepspeed import DeepSpeedConfig
 from mingpt_ddp.config.optimizer import OptimizerConfig
 from mingpt_ddp.config.trainer import TrainerConfig
-from mingpt_ddp.corpus.order import DataCursor
-from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.metrics import LogWindow, MetricsLog, ProgressLine, format_duration, peak_memory
 from mingpt_ddp.optim import set_learning_rates
 from mingpt_ddp.parallel.plan import Plan, set_tf32
 from mingpt_ddp.parallel.registry import build_strategy
 from mingpt_ddp.parallel.strategy import Batch, StrategyArgs
-from mingpt_ddp.runtime.distributed import ControlPlane, DistContext, print0, warn0
+from mingpt_ddp.runtime.distributed import ControlPlane, DistContext, print0
 from mingpt_ddp.runtime.signals import StopSignals
 from mingpt_ddp.snapshots.protocol import Checkpointer, Verdict
 from mingpt_ddp.snapshots.store import SnapshotStore
+from mingpt_ddp.train_state import StartsTrace, TrainState
 from model import GPT
 
 
@@ -57,53 +54,36 @@ class Trainer:
         self.cfg, self.optim_cfg, self.ctx, self.store = trainer_cfg, optim_cfg, ctx, store
         self.dataset, self.run_config, self.device = dataset, run_config, ctx.device
         c, self.control = trainer_cfg, ControlPlane()
-        if len(dataset.train) < ctx.world_size * c.batch_size:
-            raise ConfigError(
-                f"the training region has {len(dataset.train)} windows, fewer than one "
-                f"global batch (batch_size {c.batch_size} x world size {ctx.world_size}); "
-                "use more text or a smaller trainer_config.batch_size"
-            )
+        # How far the run has got (step, data position, val loss, RNG): what a resume restores.
+        self.state = TrainState(
+            len(dataset.train), ctx, c.batch_size, c.grad_accum_steps, c.seed, self.control
+        )
+        self.num_params = model.num_params()  # now: ZeRO-3 empties the parameters it partitions
         plan = Plan.of(c, ctx.device)  # parallelism and precision ("auto" decided for this device)
         set_tf32(plan, self.device)
-        self.num_params = (
-            model.num_params()
-        )  # counted now: ZeRO-3 empties the parameters it partitions
-        self.accum_steps = c.grad_accum_steps  # may change on resume at another world size
+        ds = deepspeed_cfg or DeepSpeedConfig()
         args = StrategyArgs(
-            plan,
-            ctx,
-            optim_cfg,
-            c.batch_size,
-            self.accum_steps,
-            self.control,
-            deepspeed_cfg or DeepSpeedConfig(),
+            plan, ctx, optim_cfg, c.batch_size, c.grad_accum_steps, self.control, ds
         )
         self.strategy = build_strategy(c.parallel, model.to(self.device), args)
         self.model = self.strategy.model  # the plain module (under FSDP: sharded in place)
-        self.layout = self.strategy.layout  # how snapshots of this run are written
-        self.data_cursor = DataCursor(len(dataset.train), ctx.world_size, ctx.rank, c.seed)
-        self.step = 0
         self.data_seconds = 0.0  # time spent preparing batches since the last log line
-        self.last_val_loss: float | None = (
-            None  # of the latest evaluation; saved: a rerun knows a target was met
-        )
-        # Each rank gets its own random stream (dropout must differ across ranks'
-        # different samples); all streams follow from the one configured seed.
+        # Each rank its own random stream (dropout differs across its samples), all from one seed.
         torch.manual_seed(c.seed + ctx.rank)
+        main_only = (lambda path: path) if ctx.is_main else (lambda path: "")
         self.metrics = MetricsLog(
-            c.metrics_file if ctx.is_main else "",
-            c.tensorboard_dir if ctx.is_main else "",
-            still_owner=store.owns_path,
+            main_only(c.metrics_file), main_only(c.tensorboard_dir), still_owner=store.owns_path
         )
-        self.stops = StopSignals(
-            c.collective_timeout_s
-        )  # SIGTERM/SIGINT: finish the step, snapshot, exit
-        self._trace = None
-        if c.trace_samples_path:
-            os.makedirs(c.trace_samples_path, exist_ok=True)
-            self._trace = open(os.path.join(c.trace_samples_path, f"rank{ctx.rank}.jsonl"), "a")
+        self.stops = StopSignals(c.collective_timeout_s)  # SIGTERM/SIGINT: step, snapshot, exit
+        self.trace = StartsTrace(c.trace_samples_path, ctx.rank)  # which windows each step read
         # Resume, periodic saves, and what a failed save or a signal means (states: this Trainer).
-        self.checkpointer = Checkpointer(self, store, c, ctx.is_main, self.control, self.metrics)
+        self.checkpointer = Checkpointer(
+            self, self.strategy, store, c, ctx.is_main, self.control, self.metrics
+        )
+
+    @property
+    def step(self) -> int:
+        return self.state.step
 
     @property
     def stop_signal(self) -> int | None:
@@ -112,122 +92,37 @@ class Trainer:
     # ------------------------------------------------------------ snapshot state
     def identity(self) -> dict[str, Any]:
         """What a snapshot must match to be resumed here: model shape, optimizer, vocabulary."""
-        return {
-            "gpt_config": vars(self.model.config),
-            "optimizer": self.optim_cfg.optimizer,
-            "vocab": self.dataset.tokenizer.chars,
-        }
-
-    def check_layout(self, snapshot, where: str) -> None:
-        self.strategy.check_snapshot(snapshot, where)
+        chars, optimizer = self.dataset.tokenizer.chars, self.optim_cfg.optimizer
+        return {"gpt_config": vars(self.model.config), "optimizer": optimizer, "vocab": chars}
 
     def meta_state(self) -> dict[str, Any]:
-        """Everything but the tensors, needed to continue exactly; collective (gathers RNG states)."""
-        rng = self.control.gather(
-            {
-                "cpu": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state(self.device)
-                if self.device.type == "cuda"
-                else None,
-            }
-        )
+        """Everything but the tensors, needed to continue exactly; collective (gathers RNG)."""
         return {
-            "format_version": 3,  # 3: data position as a DataCursor state
-            "step": self.step,
-            "data_cursor": self.data_cursor.state_dict(),
-            "val_loss": self.last_val_loss,
-            "world_size": self.ctx.world_size,
-            "global_batch": self.cfg.batch_size * self.ctx.world_size * self.accum_steps,
-            **self.strategy.snapshot_meta(),  # "scaler" (fp16's loss scale) and "deepspeed" (partitioning)
-            "rng": rng,
+            **self.state.state_dict(),  # step, data position, val loss, global batch, RNG
+            **self.strategy.snapshot_meta(),  # "scaler" (fp16's loss scale), "deepspeed"
             "config": self.run_config,
             "vocab": self.dataset.tokenizer.chars,
         }
+
+    def position(self) -> str:
+        return self.state.position()
 
     def state_dict(self) -> dict[str, Any]:
         """The whole snapshot as one dict (what a single-file snapshot holds)."""
         return {**self.meta_state(), **self.strategy.tensor_state()}
 
-    def write_files(self, stage: str) -> str:
-        return self.strategy.write_files(stage)
-
-    def read_tensors(self, snapshot) -> dict[str, Any]:
-        return self.strategy.read_tensors(snapshot)
-
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Everything a snapshot restores; model and optimizer only if given (DeepSpeed loads its own)."""
+        """Everything a snapshot restores; model and optimizer if given (DeepSpeed loads its
+        own)."""
         if "model" in state:
             self.strategy.load_tensor_state(state)
         self.strategy.load_snapshot_meta(state)
-        self.step, self.last_val_loss = state["step"], state.get("val_loss")
-        self._load_data_cursor(state)
-        self._saved_world_size = state["world_size"]
-        if state["world_size"] == self.ctx.world_size:
-            # Same world size: every rank continues its own random stream exactly.
-            rng = state["rng"][self.ctx.rank]
-            torch.set_rng_state(rng["cpu"])
-            if rng["cuda"] is not None and self.device.type == "cuda":
-                torch.cuda.set_rng_state(rng["cuda"], self.device)
-        else:
-            # Ranks no longer map one-to-one onto the saved streams: start new ones,
-            # still a function of the seed, and of the step so they do not replay step 0's.
-            torch.manual_seed(self.cfg.seed + 100_003 * self.step + self.ctx.rank)
-        if state["global_batch"] != self.cfg.batch_size * self.ctx.world_size * self.accum_steps:
-            self._keep_global_batch(state["global_batch"])
-
-    def position(self) -> str:
-        return (
-            f"step {self.step} | epoch {self.data_cursor.epoch} | "
-            f"{self.data_cursor.samples_consumed} samples into the epoch | "
-            f"saved at world size {self._saved_world_size}, now {self.ctx.world_size}"
-        )
-
-    def _load_data_cursor(self, state: dict[str, Any]) -> None:
-        cursor = state.get("data_cursor") or {
-            "epoch": state["epoch"],
-            "samples_consumed": state["samples_consumed"],
-        }
-        if (
-            cursor.get("order") != DataCursor.ORDER
-        ):  # from before the order was a Feistel permutation
-            warn0(
-                f"the snapshot walked epoch {cursor['epoch']} in another order; the rest of that epoch "
-                "follows this version's order, so some of its windows may repeat or be skipped "
-                "(later epochs are exact)"
-            )
-        self.data_cursor.load_state_dict(cursor)
-
-    def _keep_global_batch(self, global_batch: int) -> None:
-        """At a new world size, keep the global batch (and so the meaning of a step and of the
-        learning-rate schedule) by changing gradient accumulation; the per-rank batch stays."""
-        per_micro_step = self.cfg.batch_size * self.ctx.world_size
-        if global_batch % per_micro_step:
-            warn0(
-                f"global batch {global_batch} is not a multiple of batch_size x world size = "
-                f"{per_micro_step}; continuing with a global batch of {per_micro_step * self.accum_steps}"
-            )
-            return
-        self.accum_steps = global_batch // per_micro_step
-        print0(
-            f"resume | global batch kept at {global_batch} windows = {self.cfg.batch_size} per rank "
-            f"x {self.ctx.world_size} ranks x {self.accum_steps} accumulation steps"
-        )
+        self.state.load_state_dict(state)
 
     # --------------------------------------------------------------------- data
     def _next_batch(self) -> Batch:
-        starts = self.data_cursor.next_starts(self.cfg.batch_size)  # (B,) this rank's window starts
-        if self._trace is not None:
-            self._trace.write(
-                json.dumps(
-                    {
-                        "step": self.step + 1,
-                        "epoch": self.data_cursor.epoch,
-                        "starts": starts.tolist(),
-                    }
-                )
-                + "\n"
-            )
-            self._trace.flush()
+        starts = self.state.data_cursor.next_starts(self.cfg.batch_size)  # (B,) this rank's windows
+        self.trace.write(self.state.step + 1, self.state.data_cursor.epoch, starts)
         return self._to_device(self.dataset.train.ids(starts))
 
     def _batches(self, n: int) -> Iterator[Batch]:
@@ -239,7 +134,8 @@ class Trainer:
             yield batch
 
     def _to_device(self, ids: torch.Tensor) -> Batch:
-        """(B, T+1) ids read from the token file -> inputs x and targets y, (B, T) int64 on the device.
+        """(B, T+1) ids read from the token file -> inputs x and targets y, (B, T) int64 on the
+        device.
 
         For a GPU the compact ids (1-2 bytes each, not int64's 8) are copied from page-locked
         (pinned) host memory: the copy is then a DMA that runs asynchronously, while from
@@ -276,27 +172,32 @@ class Trainer:
     def train_step(self) -> torch.Tensor | None:
         """One optimizer step over grad_accum_steps micro-batches; returns this rank's mean loss
         (on device), or None where the strategy computed none (a pipeline's earlier stages)."""
-        set_learning_rates(self.strategy.optimizers, self.optim_cfg, self.step, self.cfg.max_steps)
+        set_learning_rates(
+            self.strategy.optimizers, self.optim_cfg, self.state.step, self.cfg.max_steps
+        )
         loss, committed = self.strategy.train_step(
-            self._batches(self.accum_steps), self.accum_steps
+            self._batches(self.state.accum_steps), self.state.accum_steps
         )
         if committed:  # a step the strategy did not apply (torchft rejected it) is not counted
-            self.step += 1
+            self.state.step += 1
         return loss
 
     def _target_reached(self) -> bool:
-        """The latest evaluation (this run's, or the snapshot's) met trainer_config.target_val_loss."""
+        """The latest evaluation (this run's, or the snapshot's) met the target_val_loss."""
         target = self.cfg.target_val_loss
-        return bool(target) and self.last_val_loss is not None and self.last_val_loss <= target
+        return (
+            bool(target)
+            and self.state.last_val_loss is not None
+            and self.state.last_val_loss <= target
+        )
 
     def train(self) -> bool:
-        """Train to max_steps; returns False if stopped early by SIGTERM/SIGINT (after a snapshot)."""
+        """Train to max_steps; False if stopped early by SIGTERM/SIGINT (after a snapshot)."""
         try:
             with self.stops:
                 finished = self._train_loop()
         finally:
-            if self._trace is not None:
-                self._trace.close()
+            self.trace.close()
         if self.ctx.is_main:
             self.store.wait()  # the final save is on disk before the process exits
         if self.stops.handover and self.stop_signal == self.stops.handover[0]:
@@ -311,15 +212,17 @@ class Trainer:
         if self._nothing_to_do():
             return True
         progress = ProgressLine(self.cfg.max_steps, enabled=self.ctx.is_main)
-        window, t_start = LogWindow(self.step, self.device), time.perf_counter()
-        while self.step < self.cfg.max_steps:
+        window, t_start = LogWindow(self.state.step, self.device), time.perf_counter()
+        while self.state.step < self.cfg.max_steps:
             window.add(self.train_step())
-            if self.step == window.start_step + 1:  # AdamW creates its state at the first step
+            if (
+                self.state.step == window.start_step + 1
+            ):  # AdamW creates its state at the first step
                 self._report_optimizer_memory()
-            progress.update(self.step)
-            last = self.step == self.cfg.max_steps
-            evaluate = self.step % self.cfg.eval_every == 0 or last
-            if self.step % self.cfg.log_every == 0 or evaluate:
+            progress.update(self.state.step)
+            last = self.state.step == self.cfg.max_steps
+            evaluate = self.state.step % self.cfg.eval_every == 0 or last
+            if self.state.step % self.cfg.log_every == 0 or evaluate:
                 progress.clear()
                 last = (
                     self._log(window, t_start, evaluate) or last
@@ -334,8 +237,8 @@ class Trainer:
                 break
         progress.clear()
         print0(
-            f"done | step {self.step} | {format_duration(time.perf_counter() - t_start)} wall time "
-            f"this run | peak memory per rank {peak_memory(self.device, self.control)}"
+            f"done | step {self.state.step} | {format_duration(time.perf_counter() - t_start)} "
+            f"wall time this run | peak memory per rank {peak_memory(self.device, self.control)}"
         )
         return True
 
@@ -344,7 +247,7 @@ class Trainer:
             self.cfg.batch_size
             * self.model.config.block_size
             * self.ctx.world_size
-            * self.accum_steps
+            * self.state.accum_steps
         )
 
     def _announce(self) -> None:
@@ -355,8 +258,9 @@ class Trainer:
         print0(
             f"train | {self.num_params / 1e6:.2f}M parameters | {mode} | {precision}"
             f"{' + compile' if cfg.compile else ''} | world size {W} | "
-            f"global batch {cfg.batch_size * W * self.accum_steps} windows = {tokens} tokens | "
-            f"steps {self.step}->{cfg.max_steps} (~{epochs:.2f} epochs)"
+            f"global batch {cfg.batch_size * W * self.state.accum_steps} windows = {tokens} tokens "
+            "| "
+            f"steps {self.state.step}->{cfg.max_steps} (~{epochs:.2f} epochs)"
         )
 
     def _report_optimizer_memory(self) -> None:
@@ -373,15 +277,15 @@ class Trainer:
         """A rerun of a finished run (target met, or max_steps reached) trains nothing."""
         if self._target_reached():
             print0(
-                f"train | snapshot's val loss {self.last_val_loss:.4f} already meets "
+                f"train | snapshot's val loss {self.state.last_val_loss:.4f} already meets "
                 f"trainer_config.target_val_loss {self.cfg.target_val_loss}; nothing to do"
             )
             return True
-        if self.step >= self.cfg.max_steps:
+        if self.state.step >= self.cfg.max_steps:
             print0(
-                f"train | snapshot is already at step {self.step} >= max_steps {self.cfg.max_steps}; "
-                "nothing to do (raise trainer_config.max_steps, or use another "
-                "trainer_config.run_dir for a new run)"
+                f"train | snapshot is already at step {self.state.step} >= max_steps "
+                f"{self.cfg.max_steps}; nothing to do (raise trainer_config.max_steps, or use "
+                "another trainer_config.run_dir for a new run)"
             )
             return True
         return False
@@ -389,7 +293,7 @@ class Trainer:
     def _log(self, window: LogWindow, t_start: float, evaluate: bool) -> bool:
         """One log line (and metrics record) for the steps since the last; with evaluate, the
         validation loss and a sample too. Returns whether the target loss was reached."""
-        cfg, step, steps = self.cfg, self.step, self.step - window.step
+        cfg, step, steps = self.cfg, self.state.step, self.state.step - window.step
         # .item() waits for the device: only on log steps, never every step. Averaged over ranks.
         train_loss = window.mean_loss(self.control)
         now = time.perf_counter()
@@ -397,7 +301,7 @@ class Trainer:
         eta = (now - t_start) / (step - window.start_step) * (cfg.max_steps - step)
         record = {
             "step": step,
-            "epoch": self.data_cursor.epoch,
+            "epoch": self.state.data_cursor.epoch,
             "train_loss": round(train_loss, 6),
             "lr": self.strategy.optimizers[0].param_groups[0]["lr"],
             "tokens_per_sec": round(self._tokens_per_step() / dt_step, 1),
@@ -406,7 +310,8 @@ class Trainer:
             "data_ms": round(1e3 * self.data_seconds / steps, 3),
         }
         print0(
-            f"step {step:>6}/{cfg.max_steps} | epoch {self.data_cursor.epoch} | loss {train_loss:.4f} | "
+            f"step {step:>6}/{cfg.max_steps} | epoch {self.state.data_cursor.epoch} | "
+            f"loss {train_loss:.4f} | "
             f"lr {record['lr']:.2e} | {record['tokens_per_sec'] / 1e3:.1f}k tok/s | "
             f"{record['ms_per_step']:.1f} ms/step | ETA {format_duration(eta)}"
         )
@@ -417,9 +322,10 @@ class Trainer:
         return reached
 
     def _evaluate_and_report(self, record: dict) -> bool:
-        """The validation loss (and a sample) into record and one line; whether the target is met."""
-        record["val_loss"] = self.last_val_loss = round(self.evaluate(), 6)
-        line = f"eval | step {self.step} | val loss {record['val_loss']:.4f}"
+        """The validation loss (and a sample) into record, and one line; whether the target is
+        met."""
+        record["val_loss"] = self.state.last_val_loss = round(self.evaluate(), 6)
+        line = f"eval | step {self.state.step} | val loss {record['val_loss']:.4f}"
         # Where every rank must take part in each forward (FSDP all-gathers parameters), all
         # ranks generate the same sample; rank 0 prints it.
         if self.cfg.sample_chars and (self.ctx.is_main or self.strategy.forward_on_all_ranks):
@@ -430,6 +336,6 @@ class Trainer:
         if reached:
             print0(
                 f"target | val loss {record['val_loss']:.4f} <= trainer_config.target_val_loss "
-                f"{self.cfg.target_val_loss} at step {self.step} | stopping"
+                f"{self.cfg.target_val_loss} at step {self.state.step} | stopping"
             )
         return reached

@@ -32,7 +32,7 @@ from common import REPO, hardware
 
 sys.path.insert(0, REPO)
 
-from mingpt_ddp.runtime.distributed import keep_freed_cpu_memory  # noqa: E402
+from mingpt_ddp.runtime.host import keep_freed_cpu_memory  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from mingpt_ddp.config.optimizer import OptimizerConfig
 from mingpt_ddp.optim import build_optimizers  # noqa: E402

@@ -158,7 +158,7 @@ def run_nanogpt(checkout: str, data: str, target: float, max_iters: int = 2000, 
 
 
 # --step-time's rows. nanoGPT's train.py as it ships, and with the allocator setting main.py makes
-# (distributed.keep_freed_cpu_memory), given as glibc's environment variables: the difference that
+# (runtime/host.py, keep_freed_cpu_memory), given as glibc's environment variables: the difference that
 # setting makes is then seen on both programs. This trainer at nanoGPT's model and batch as nanoGPT
 # runs it (eager), compiled, and compiled with glibc's default allocator.
 KEEP_FREED_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 1024 * 1024), "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}

@@ -1,4 +1,5 @@
-"""Fetch tiny Shakespeare (Karpathy's char-rnn corpus) into data/tinyshakespeare/input.txt and verify it.
+"""Fetch tiny Shakespeare (Karpathy's char-rnn corpus) into data/tinyshakespeare/input.txt and
+verify it.
 
     python data/fetch_shakespeare.py                      # download from the usual public URL
     python data/fetch_shakespeare.py --source ~/input.txt # or copy a local file (offline machines)
@@ -16,7 +17,8 @@ import os
 import sys
 import urllib.request
 
-# The usual public copy; TINYSHAKESPEARE_URL points elsewhere (a mirror, or file:///... on offline machines).
+# The usual public copy; TINYSHAKESPEARE_URL points elsewhere (a mirror, or file:///... on offline
+# machines).
 URL = os.environ.get(
     "TINYSHAKESPEARE_URL",
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt",
@@ -43,7 +45,8 @@ def _read_source(source: str, timeout_s: float) -> bytes:
 def ensure_tinyshakespeare(
     dest: str = DEFAULT_PATH, source: str = URL, timeout_s: float = 20.0
 ) -> str:
-    """Make sure `dest` holds tiny Shakespeare, fetching it from `source` (URL or local file) if missing."""
+    """Make sure `dest` holds tiny Shakespeare, fetching it from `source` (URL or local file) if
+    missing."""
     if os.path.exists(dest):
         return dest
     try:
@@ -52,7 +55,8 @@ def ensure_tinyshakespeare(
         raise FetchError(f"cannot fetch tiny Shakespeare from {source} ({e})") from None
     if len(data) != SIZE or hashlib.sha256(data).hexdigest() != SHA256:
         raise FetchError(
-            f"{source} is not tiny Shakespeare ({len(data)} bytes, expected {SIZE} with sha256 {SHA256})"
+            f"{source} is not tiny Shakespeare ({len(data)} bytes, expected {SIZE} "
+            f"with sha256 {SHA256})"
         )
     os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
     tmp = f"{dest}.{os.getpid()}.tmp"

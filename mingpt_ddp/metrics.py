@@ -28,14 +28,15 @@ def format_duration(seconds: float) -> str:
 
 
 class MetricsLog:
-    """Append-only JSON lines on a local path (an empty path disables it), optionally mirrored to TensorBoard."""
+    """Append-only JSON lines on a local path (an empty path disables it), optionally mirrored to
+    TensorBoard."""
 
     def __init__(
         self, path: str, tensorboard_dir: str = "", still_owner: Callable[[], bool] = lambda: True
     ):
         self.path = path
-        # The run's history has one writer, the job holding the snapshot path's lease: a job that lost
-        # it (paused past its lease, then woken) writes nothing more here.
+        # The run's history has one writer, the job holding the snapshot path's lease: a job that
+        # lost it (paused past its lease, then woken) writes nothing more here.
         self.still_owner = still_owner
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

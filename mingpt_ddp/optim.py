@@ -1,4 +1,5 @@
-"""What updates the weights: the optimizers, which parameters each one owns, and the learning-rate schedule.
+"""What updates the weights: the optimizers, which parameters each one owns, and the learning-rate
+schedule.
 
 Two choices (optimizer_config.optimizer):
 - adamw: AdamW for every parameter (GPT-2, nanoGPT), weight decay on matrices only.
@@ -32,10 +33,10 @@ from mingpt_ddp.errors import ConfigError
 
 
 class Muon(torch.optim.Muon):
-    """torch.optim.Muon with one change: the Newton-Schulz iterations of all matrices of one shape run
-    together, as batched matrix products. The math, the state ("momentum_buffer") and the snapshot
-    format are torch's; on a small model the per-matrix loop is mostly call overhead (this model's 16
-    matrices: 16 ms a step one by one on a 2-core CPU, 8 ms batched by shape)."""
+    """torch.optim.Muon with one change: the Newton-Schulz iterations of all matrices of one shape
+    run together, as batched matrix products. The math, the state ("momentum_buffer") and the
+    snapshot format are torch's; on a small model the per-matrix loop is mostly call overhead (this
+    model's 16 matrices: 16 ms a step one by one on a 2-core CPU, 8 ms batched by shape)."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -78,9 +79,9 @@ class Muon(torch.optim.Muon):
 def newton_schulz(
     G: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
 ) -> torch.Tensor:
-    """Approximately orthogonalise each matrix of a (N, rows, cols) stack (torch.optim.Muon's quintic iteration,
-    in bf16): X <- a X + (b A + c A^2) X with A = X X^T, starting from X / |X|, pushes every singular
-    value towards 1 (to within about 0.7-1.2) without computing an SVD."""
+    """Approximately orthogonalise each matrix of a (N, rows, cols) stack (torch.optim.Muon's
+    quintic iteration, in bf16): X <- a X + (b A + c A^2) X with A = X X^T, starting from X / |X|,
+    pushes every singular value towards 1 (to within about 0.7-1.2) without computing an SVD."""
     a, b, c = coefficients
     X = G.bfloat16()
     tall = G.size(-2) > G.size(-1)
@@ -98,9 +99,8 @@ def build_optimizers(
 ) -> list[torch.optim.Optimizer]:
     """The optimizers for a model's parameters: [AdamW] or [AdamW, Muon]. Build them after FSDP has
     sharded the model, so that they hold the sharded parameters."""
-    named = [
-        (name, p) for name, p in model.named_parameters() if p.requires_grad
-    ]  # a tied weight appears once
+    # A tied weight appears once.
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     hidden = [
         p
         for name, p in named
@@ -113,7 +113,8 @@ def build_optimizers(
         {"params": [p for p in rest if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
     ]
-    # The fused kernel updates all parameters in one pass instead of a loop of small ops (CUDA and CPU).
+    # The fused kernel updates all parameters in one pass instead of a loop of small ops (CUDA and
+    # CPU).
     optimizers: list[torch.optim.Optimizer] = [
         torch.optim.AdamW(
             groups,
@@ -140,8 +141,9 @@ def check_muon_supported(cfg: OptimizerConfig, parallel: str) -> None:
     DeepSpeed ZeRO) refuse it through this check, naming themselves."""
     if cfg.optimizer == "muon":
         raise ConfigError(
-            f"optimizer_config.optimizer=muon needs each weight matrix whole on every rank (Newton-Schulz "
-            f"works on the full matrix), and parallel={parallel} splits them; use parallel=ddp, or "
+            "optimizer_config.optimizer=muon needs each weight matrix whole on every rank "
+            f"(Newton-Schulz works on the full matrix), and parallel={parallel} splits them; "
+            "use parallel=ddp, or "
             "optimizer_config.optimizer=adamw"
         )
 

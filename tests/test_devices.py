@@ -198,7 +198,7 @@ def test_the_job_line_says_which_precision_auto_picked_and_why(shakespeare, tmp_
 # 4 KiB pages the kernel had to map and zero, that 30 steps cost, and what the setting said.
 TRAIN_STEPS = """
 import resource, sys, torch
-from mingpt_ddp.runtime.distributed import keep_freed_cpu_memory
+from mingpt_ddp.runtime.host import keep_freed_cpu_memory
 from model import GPT, GPTConfig
 said = keep_freed_cpu_memory(torch.device("cpu"), enabled=sys.argv[1] == "on")
 torch.manual_seed(0)

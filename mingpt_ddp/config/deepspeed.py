@@ -9,8 +9,9 @@ from mingpt_ddp.errors import ConfigError
 
 @dataclass
 class DeepSpeedConfig:
-    """DeepSpeed ZeRO settings (config section `deepspeed_config`; used when trainer_config.parallel=deepspeed).
-    Precision comes from trainer_config.use_amp and amp_dtype, the same switches as for DDP and FSDP."""
+    """DeepSpeed ZeRO settings (config section `deepspeed_config`; used when
+    trainer_config.parallel=deepspeed). Precision comes from trainer_config.use_amp and amp_dtype,
+    the same switches as for DDP and FSDP."""
 
     zero_stage: int = 2
     """1: optimizer state split over ranks; 2: and gradients; 3: and parameters (like FSDP)."""

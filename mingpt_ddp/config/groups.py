@@ -1,5 +1,6 @@
 """The config groups users switch between: how the model is spread over the ranks (parallel=) and
-settings that go together for some hardware or goal (recipe=). Model sizes are in config/model.py."""
+settings that go together for some hardware or goal (recipe=). Model sizes are in
+config/model.py."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ RECIPES: dict[str, tuple[dict[str, Any], str]] = {
                 "run_dir": "runs/shakespeare_char_gpu",
             },
         },
-        "nanoGPT's shakespeare_char on a GPU: baby-gpt, context 256, 64 windows per GPU, bf16 + compile",
+        "nanoGPT's shakespeare_char on a GPU: baby-gpt, context 256, 64 windows per GPU, "
+        "bf16 + compile",
     ),
     "nanogpt-cpu": (
         {
@@ -61,8 +63,8 @@ RECIPES: dict[str, tuple[dict[str, Any], str]] = {
                 "run_dir": "runs/nanogpt_cpu",
             },
         },
-        "nanoGPT's CPU recipe: gpt-micro without biases (nanoGPT's bias=False), context 64, batch 12, "
-        "2000 steps, lr 1e-3 -> 1e-4",
+        "nanoGPT's CPU recipe: gpt-micro without biases (nanoGPT's bias=False), context 64, "
+        "batch 12, 2000 steps, lr 1e-3 -> 1e-4",
     ),
     "fast-cpu": (
         {
@@ -76,7 +78,8 @@ RECIPES: dict[str, tuple[dict[str, Any], str]] = {
             },
             "optimizer_config": {"learning_rate": 6e-3, "warmup_steps": 50},
         },
-        "to val loss 1.88 fast on 2 CPU cores with AdamW: no biases, batch 24, lr 6e-3, a 700-step cosine",
+        "to val loss 1.88 fast on 2 CPU cores with AdamW: no biases, batch 24, lr 6e-3, "
+        "a 700-step cosine",
     ),
     "speedrun-cpu": (
         {
@@ -95,8 +98,8 @@ RECIPES: dict[str, tuple[dict[str, Any], str]] = {
                 "warmup_steps": 50,
             },
         },
-        "this project's record to val loss 1.88 on CPUs: fast-cpu + Muon, rotary, QK-norm, a 300-step "
-        "cosine (benchmarks/time_to_quality.py --ablation)",
+        "this project's record to val loss 1.88 on CPUs: fast-cpu + Muon, rotary, QK-norm, "
+        "a 300-step cosine (benchmarks/time_to_quality.py --ablation)",
     ),
     "gpt2-gpu": (
         {
@@ -109,6 +112,7 @@ RECIPES: dict[str, tuple[dict[str, Any], str]] = {
                 "run_dir": "runs/gpt2",
             },
         },
-        "GPT-2 small's shape (124M parameters with a GPT-2 vocabulary), context 1024, bf16 + compile",
+        "GPT-2 small's shape (124M parameters with a GPT-2 vocabulary), context 1024, "
+        "bf16 + compile",
     ),
 }

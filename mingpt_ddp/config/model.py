@@ -43,20 +43,25 @@ class GPTConfig:
     vocab_size: int = 0
     """Set from the dataset's vocabulary at run time (a value given here is replaced)."""
     block_size: int = 0
-    """Context length; set from data_config.block_size at run time (a value given here is replaced)."""
-    # The speedrun's switches (modded-nanogpt); each off is nanoGPT's model. The ablation table in the
-    # README (benchmarks/time_to_quality.py --ablation) measures what each one buys.
+    """Context length; set from data_config.block_size at run time (a value given here is
+    replaced)."""
+    # The speedrun's switches (modded-nanogpt); each off is nanoGPT's model. The ablation table in
+    # the README (benchmarks/time_to_quality.py --ablation) measures what each one buys.
     rotary: bool = False
-    """Rotary position embeddings (queries and keys rotated by position) instead of a learned position table."""
+    """Rotary position embeddings (queries and keys rotated by position) instead of a learned
+    position table."""
     qk_norm: bool = False
-    """RMS-normalise each head's queries and keys before attention (keeps attention logits bounded)."""
+    """RMS-normalise each head's queries and keys before attention (keeps attention logits
+    bounded)."""
     activation: str = "gelu"
-    """The MLP's nonlinearity: gelu, or relu2 (ReLU squared, max(0, x)^2: Primer's and the speedrun's)."""
+    """The MLP's nonlinearity: gelu, or relu2 (ReLU squared, max(0, x)^2: Primer's and the
+    speedrun's)."""
     zero_init_proj: bool = False
-    """Start the projections that write into the residual stream (and an untied head) at zero, so each block
-    starts as the identity."""
+    """Start the projections that write into the residual stream (and an untied head) at zero, so
+    each block starts as the identity."""
     tie_embeddings: bool = True
-    """The output head reuses the token embedding matrix (GPT-2); false: the head has its own matrix."""
+    """The output head reuses the token embedding matrix (GPT-2); false: the head has its own
+    matrix."""
     logit_softcap: float = 0.0
     """Squash logits smoothly into (-cap, cap) with cap * tanh(logits / cap); 0: off."""
 
@@ -66,14 +71,16 @@ class GPTConfig:
                 raise ConfigError(f"gpt_config.{name} must be positive, got {getattr(self, name)}")
         if self.n_embd % self.n_head:
             raise ConfigError(
-                f"gpt_config.n_embd ({self.n_embd}) must be divisible by gpt_config.n_head ({self.n_head})"
+                f"gpt_config.n_embd ({self.n_embd}) must be divisible by "
+                f"gpt_config.n_head ({self.n_head})"
             )
         for name in ("dropout", "attn_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"gpt_config.{name} must be in [0, 1), got {getattr(self, name)}")
         if self.activation not in ACTIVATION_NAMES:
             raise ConfigError(
-                f"gpt_config.activation must be one of {', '.join(ACTIVATION_NAMES)}, got {self.activation!r}"
+                f"gpt_config.activation must be one of {', '.join(ACTIVATION_NAMES)}, "
+                f"got {self.activation!r}"
             )
         if self.logit_softcap < 0:
             raise ConfigError(
@@ -86,7 +93,8 @@ class GPTConfig:
             )
 
     # The fields a snapshot must agree on to be loadable into this model: its shape, and what the
-    # weights were trained to compute (the same tensors under another activation would load, and be wrong).
+    # weights were trained to compute (the same tensors under another activation would load, and be
+    # wrong).
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (
         "n_layer",
         "n_head",

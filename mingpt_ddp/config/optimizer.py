@@ -16,24 +16,29 @@ class OptimizerConfig:
     """The optimizers and their learning-rate schedule (config section `optimizer_config`)."""
 
     optimizer: str = "adamw"
-    """adamw: AdamW everywhere; muon: Muon for the blocks' weight matrices, AdamW for the rest (mingpt_ddp/optim.py)."""
+    """adamw: AdamW everywhere; muon: Muon for the blocks' weight matrices, AdamW for the rest
+    (mingpt_ddp/optim.py)."""
     learning_rate: float = 1e-3
     """AdamW's peak learning rate, reached at the end of warmup."""
     min_lr: float = 1e-4
-    """AdamW's learning rate at max_steps; the schedule decays from learning_rate to this (Muon's in proportion)."""
+    """AdamW's learning rate at max_steps; the schedule decays from learning_rate to this (Muon's in
+    proportion)."""
     warmup_steps: int = 100
-    """Steps of linear warmup up to learning_rate (step s uses learning_rate * (s+1) / warmup_steps)."""
+    """Steps of linear warmup up to learning_rate (step s uses learning_rate * (s+1) /
+    warmup_steps)."""
     schedule: str = "cosine"
-    """cosine: decay from the peak right after warmup (nanoGPT); wsd: warmup-stable-decay, hold the peak, then
-    decay linearly over the last decay_frac of the steps (the speedrun's)."""
+    """cosine: decay from the peak right after warmup (nanoGPT); wsd: warmup-stable-decay, hold the
+    peak, then decay linearly over the last decay_frac of the steps (the speedrun's)."""
     decay_frac: float = 0.3
     """wsd: the fraction of max_steps, at the end, over which the learning rate falls to min_lr."""
     weight_decay: float = 0.1
-    """Decoupled weight decay, on matrices and embeddings only (1-D gains and biases are not decayed)."""
+    """Decoupled weight decay, on matrices and embeddings only (1-D gains and biases are not
+    decayed)."""
     beta1: float = 0.9
     """AdamW's decay rate for the running mean of gradients."""
     beta2: float = 0.99
-    """AdamW's decay rate for the running mean of squared gradients (0.99: nanoGPT's value for small data)."""
+    """AdamW's decay rate for the running mean of squared gradients (0.99: nanoGPT's value for small
+    data)."""
     muon_lr: float = 0.02
     """Muon's peak learning rate (its updates are orthogonalised, so its scale is not AdamW's)."""
     muon_momentum: float = 0.95
@@ -44,11 +49,13 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(
-                f"optimizer_config.optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
+                f"optimizer_config.optimizer must be one of {', '.join(OPTIMIZERS)}, "
+                f"got {self.optimizer!r}"
             )
         if self.schedule not in SCHEDULES:
             raise ConfigError(
-                f"optimizer_config.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}"
+                f"optimizer_config.schedule must be one of {', '.join(SCHEDULES)}, "
+                f"got {self.schedule!r}"
             )
         if self.learning_rate <= 0 or self.min_lr < 0 or self.min_lr > self.learning_rate:
             raise ConfigError(
@@ -61,7 +68,8 @@ class OptimizerConfig:
             or self.muon_lr <= 0
         ):
             raise ConfigError(
-                "optimizer_config: warmup_steps, weight_decay and grad_clip must be >= 0, muon_lr > 0"
+                "optimizer_config: warmup_steps, weight_decay and grad_clip must be >= 0, "
+                "muon_lr > 0"
             )
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1 and 0 <= self.muon_momentum < 1):
             raise ConfigError("optimizer_config: beta1, beta2 and muon_momentum must be in [0, 1)")

@@ -84,7 +84,8 @@ def unknown_key_error(key: str) -> ConfigError:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """A dataclass's field docstrings (the string literal under each field), read from its source."""
+    """A dataclass's field docstrings (the string literal under each field), read from its
+    source."""
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
     docs = {}
     for field, doc in zip(body, body[1:]):
@@ -98,12 +99,16 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def help_text() -> str:
-    """What `python main.py --help` prints: the groups, every key with its type, default and meaning."""
+    """What `python main.py --help` prints: the groups, every key with its type, default and
+    meaning."""
 
-    models = ", ".join(f"{name} ({l}x{h}x{e})" for name, (l, h, e) in MODEL_SIZES.items())
+    models = ", ".join(
+        f"{name} ({layers}x{heads}x{width})" for name, (layers, heads, width) in MODEL_SIZES.items()
+    )
     lines = [
         "Train a character-level GPT: python main.py [group=option ...] [section.key=value ...]",
-        "Under torchrun every rank runs this same command. --multirun a=1,2 runs a sweep (one process).",
+        "Under torchrun every rank runs this same command. "
+        "--multirun a=1,2 runs a sweep (one process).",
         "",
         "== Config groups (group=option; default first) ==",
         f"model: {models}",
@@ -123,7 +128,8 @@ def help_text() -> str:
 def path_safe(overrides: str, limit: int = 120) -> str:
     """A sweep job's directory name from its overrides: a '/' in a value must not nest it, and a
     long list (paths in values) must not pass the 255-byte file-name limit, so past `limit`
-    characters the tail becomes a hash of the whole (the same overrides always give the same name)."""
+    characters the tail becomes a hash of the whole (the same overrides always give the same
+    name)."""
     name = overrides.replace("/", "_")
     if len(name) <= limit:
         return name
@@ -152,9 +158,8 @@ def register() -> None:
         store.store(group="parallel", name=name, package="_global_", node=node)
     for name, (values, _) in RECIPES.items():
         node = {k: v for k, v in values.items() if k != "model"}
-        if (
-            "model" in values
-        ):  # a recipe may pick the model; model=... on the command line still wins
+        # A recipe may pick the model; model=... on the command line still wins.
+        if "model" in values:
             node["defaults"] = [{"override /model": values["model"]}]
         store.store(group="recipe", name=name, package="_global_", node=node)
     store.store(

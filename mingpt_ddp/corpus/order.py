@@ -111,7 +111,8 @@ class DataCursor:
     partial global batch is dropped, as DistributedSampler's drop_last does).
     """
 
-    ORDER = "feistel-v1"  # saved in snapshots: resuming under another order would repeat or skip windows
+    # Saved in snapshots: resuming under another order would repeat or skip windows.
+    ORDER = "feistel-v1"
 
     def __init__(self, num_windows: int, world_size: int, rank: int, seed: int):
         if num_windows <= 0:
@@ -136,7 +137,8 @@ class DataCursor:
         W = self.world_size
         if W * batch_size > self.num_windows:
             raise ValueError(
-                f"one global batch ({W} ranks x {batch_size}) is more than the {self.num_windows} windows"
+                f"one global batch ({W} ranks x {batch_size}) is more than the "
+                f"{self.num_windows} windows"
             )
         if self.samples_consumed + W * batch_size > self.num_windows:  # epoch exhausted
             self.epoch, self.samples_consumed = self.epoch + 1, 0
@@ -153,5 +155,6 @@ class DataCursor:
         return {"epoch": self.epoch, "samples_consumed": self.samples_consumed, "order": self.ORDER}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a saved position; it was counted in global samples, so the world size may differ."""
+        """Continue from a saved position; it was counted in global samples, so the world size may
+        differ."""
         self.epoch, self.samples_consumed = int(state["epoch"]), int(state["samples_consumed"])

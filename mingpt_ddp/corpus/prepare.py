@@ -13,9 +13,10 @@ One prepared copy per source, under data_config.cache_dir:
                                 the token file's name and checksums. Written last: it is the commit.
     tokens-<sha256[:16]>.bin    the ids, little-endian. Named by content, never rewritten in place.
 
-The source is streamed in chunks twice (mingpt_ddp/corpus/sources.py; pass 1 finds the vocabulary, pass 2 encodes), so
-memory is bounded whatever its size. Several files are joined as they are, like `cat` (add a
-trailing newline to each if they need one); a leading byte-order mark is dropped from each. A copy is reused while the source files keep the
+The source is streamed in chunks twice (sources.py; pass 1 finds the vocabulary, pass 2
+encodes, encode.py), so memory is bounded whatever its size. Several files are joined as they
+are, like `cat` (add a trailing newline to each if they need one); a leading byte-order mark is
+dropped from each. A copy is reused (prepared.py checks it) while the source files keep the
 sizes and identities in meta.json (mtime, S3 ETag, fsspec ukey) and the token file
 passes its size and sampled-checksum checks; otherwise it is rebuilt, never trained on.
 One process prepares while the others wait on a file lock, so the ranks of a node (or of
@@ -30,19 +31,27 @@ import fcntl
 import hashlib
 import json
 import os
-import re
 import sys
 import time
 import uuid
-import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-
-import torch
 
 from mingpt_ddp.config.data import DEFAULT_CACHE_DIR
+from mingpt_ddp.corpus.encode import DTYPES, Encoder, smallest_dtype, vocabulary
+from mingpt_ddp.corpus.prepared import (
+    FORMAT,
+    META,
+    VERSION,
+    Prepared,
+    _read_meta,
+    _token_file_problem,
+    check,
+    is_prepared_dir,
+    prepared_dir,
+    sampled_sha256,
+    verify,
+)
 from mingpt_ddp.corpus.sources import (
-    CHUNK_BYTES,
     SourceFile,
     chunks,
     compression_of,
@@ -50,158 +59,6 @@ from mingpt_ddp.corpus.sources import (
     find_sources,
 )
 from mingpt_ddp.errors import DatasetError
-
-META = "meta.json"
-FORMAT, VERSION = "mingpt-ddp/char-tokens", 1
-DTYPES = {"uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32}
-_UNICODE = 0x110000  # code points
-
-
-def _code_points(text: str) -> torch.Tensor:
-    """(len(text),) int32 code points; a view of the UTF-32 bytes (read-only, never written)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "buffer is not writable": we only read it
-        return (
-            torch.frombuffer(text.encode("utf-32-le"), dtype=torch.int32)
-            if text
-            else torch.zeros(0, dtype=torch.int32)
-        )
-
-
-def vocabulary(files: list[SourceFile]) -> tuple[str, int]:
-    """Pass 1: every distinct character of the files, sorted by code point, and how many characters there are."""
-    present = torch.zeros(_UNICODE, dtype=torch.bool)
-    known_ascii, n_chars = b"", 0
-    for source in files:
-        for offset, chunk in chunks(source):
-            n_chars += len(decode(source, offset, chunk))  # also proves the chunk is UTF-8
-            # Deleting the ASCII characters already seen (fast, bytes.translate) leaves valid UTF-8
-            # (no multi-byte character contains an ASCII byte): only what is left needs a closer look.
-            rest = chunk.translate(None, known_ascii)
-            if rest:
-                present |= torch.bincount(
-                    _code_points(rest.decode("utf-8")), minlength=_UNICODE
-                ).bool()
-                known_ascii = bytes(present[:128].nonzero().flatten().tolist())
-    return "".join(map(chr, present.nonzero().flatten().tolist())), n_chars
-
-
-def smallest_dtype(vocab_size: int) -> str:
-    return "uint8" if vocab_size <= 256 else "int16" if vocab_size <= 32767 else "int32"
-
-
-class Encoder:
-    """Characters to ids in bulk: a table indexed by code point (and a byte table for ASCII text)."""
-
-    def __init__(self, vocab: str):
-        self.dtype = DTYPES[smallest_dtype(len(vocab))]
-        self.table = torch.zeros(_UNICODE, dtype=self.dtype)
-        self.table[_code_points(vocab).long()] = torch.arange(len(vocab)).to(self.dtype)
-        # ASCII text with a <= 256-character vocabulary: bytes.translate maps every byte to its id directly.
-        self.ascii = bytes(self.table[:256].tolist()) if self.dtype == torch.uint8 else None
-
-    def encode(self, text_bytes: bytes, text: Callable[[], str]) -> bytearray | bytes:
-        """The ids of one chunk, as raw bytes in the token dtype (text() decodes the chunk if needed)."""
-        if self.ascii is not None and text_bytes.isascii():
-            return text_bytes.translate(self.ascii)
-        cps = _code_points(text())
-        out = bytearray(cps.numel() * self.dtype.itemsize)
-        if out:
-            torch.index_select(self.table, 0, cps, out=torch.frombuffer(out, dtype=self.dtype))
-        return out
-
-
-# ------------------------------------------------------------------ the prepared copy
-@dataclass
-class Prepared:
-    """A prepared copy that passed its checks: its directory and its meta.json."""
-
-    directory: str
-    meta: dict
-
-    @property
-    def tokens_path(self) -> str:
-        return os.path.join(self.directory, self.meta["tokens_file"])
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return DTYPES[self.meta["dtype"]]
-
-
-def prepared_dir(spec: str, cache_dir: str) -> str:
-    """Where the prepared copy of a source lives: <cache_dir>/<name>-<hash of the absolute source>."""
-    canonical = (
-        spec
-        if "://" in spec and not spec.startswith("file://")
-        else os.path.abspath(os.path.expanduser(spec.removeprefix("file://")))
-    )
-    stem = (
-        re.sub(
-            r"[^\w.-]+", "_", os.path.splitext(os.path.basename(canonical.rstrip("/")))[0]
-        ).strip("_")
-        or "corpus"
-    )
-    return os.path.join(
-        cache_dir, f"{stem[:40]}-{hashlib.sha256(canonical.encode()).hexdigest()[:12]}"
-    )
-
-
-def sampled_sha256(path: str, size: int, spans: int = 17, span_bytes: int = 1 << 16) -> str:
-    """A checksum of `spans` evenly spaced pieces of a file: cost independent of its size, and it catches
-    truncation, replacement and most damage. (The full sha256 is in meta.json, for --verify.)"""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for i in range(spans):
-            f.seek(max(0, size - span_bytes) * i // (spans - 1))  # integer positions, first to last
-            h.update(f.read(span_bytes))
-    return h.hexdigest()
-
-
-def _read_meta(directory: str) -> dict:
-    with open(os.path.join(directory, META), encoding="utf-8") as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise ValueError(f"not a {FORMAT} v{VERSION} meta.json")
-    return meta
-
-
-def _token_file_problem(prepared: Prepared) -> str | None:
-    """Why the token file cannot be trusted (None: it can): missing, truncated, or damaged."""
-    name, expected = (
-        prepared.meta["tokens_file"],
-        prepared.meta["num_tokens"] * prepared.dtype.itemsize,
-    )
-    try:
-        size = os.path.getsize(prepared.tokens_path)
-    except FileNotFoundError:
-        return f"{name} is missing"
-    if size != expected:
-        return (
-            f"{name} has {size:,} bytes where {expected:,} were written (truncated or overwritten)"
-        )
-    if sampled_sha256(prepared.tokens_path, size) != prepared.meta["tokens_sampled_sha256"]:
-        return f"{name} is damaged (sampled checksum mismatch)"
-    return None
-
-
-def check(directory: str, files: list[SourceFile]) -> tuple[Prepared | None, str]:
-    """The prepared copy in directory if it is complete and was made from these exact source files,
-    else (None, why not)."""
-    try:
-        prepared = Prepared(directory, _read_meta(directory))
-    except (FileNotFoundError, NotADirectoryError):
-        return None, "not prepared yet"
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return None, f"its {META} is unreadable ({e})"
-    now, then = [s.describe() for s in files], prepared.meta["files"]
-    if now != then:
-        changed = next(
-            (f"{a['url']} changed" for a, b in zip(now, then) if a != b),
-            f"{len(then)} -> {len(now)} files",
-        )
-        return None, f"the source changed since it was prepared: {changed}"
-    problem = _token_file_problem(prepared)
-    return (None, problem) if problem else (prepared, "")
 
 
 @contextlib.contextmanager
@@ -237,7 +94,8 @@ def _encode_to_file(
     with open(tmp, "wb") as out:
         for source in files:
             for offset, chunk in chunks(source):
-                ids = encoder.encode(chunk, lambda: decode(source, offset, chunk))
+                text = lambda s=source, o=offset, c=chunk: decode(s, o, c)  # only if needed
+                ids = encoder.encode(chunk, text)
                 source_hash.update(chunk)
                 tokens_hash.update(ids)
                 out.write(ids)
@@ -274,6 +132,7 @@ def _build(
     locked: bool,
     log: Callable[[str], None],
 ) -> None:
+    """Both passes, checked against each other, then the commit (meta.json) and the log line."""
     t0 = time.perf_counter()
     vocab, n_chars = vocabulary(files)  # pass 1
     if n_chars == 0:
@@ -282,38 +141,9 @@ def _build(
     pending: list[str] = []  # what to remove if this does not end in a commit
     try:
         written = _encode_to_file(directory, files, vocab, pending)  # pass 2
-        # The two passes must have read the same text: pass 2 maps a character pass 1 never saw to id 0.
-        if written["tokens_bytes"] != n_chars * DTYPES[dtype].itemsize:
-            changed = "the two passes read different numbers of characters"
-        elif [s.describe() for s in find_sources(spec, s3_endpoint_url)] != [
-            s.describe() for s in files
-        ]:
-            changed = "its files' sizes or identities are not what they were before pass 1"
-        else:
-            changed = ""
-        if changed:
-            raise DatasetError(
-                f"data_config.path: {spec!r} changed while it was being prepared ({changed}); "
-                "run again once nothing writes to it"
-            )
+        _check_unchanged(spec, files, s3_endpoint_url, written, n_chars * DTYPES[dtype].itemsize)
         tokens_path = os.path.join(directory, written["tokens_file"])
-        meta = {
-            "format": FORMAT,
-            "version": VERSION,
-            "source": spec,
-            "files": [s.describe() for s in files],
-            "source_bytes": sum(s.size for s in files),
-            "source_sha256": written["source_sha256"],
-            "vocab": vocab,
-            "vocab_size": len(vocab),
-            "dtype": dtype,
-            "num_tokens": n_chars,
-            "tokens_file": written["tokens_file"],
-            "tokens_sha256": written["tokens_sha256"],
-            "tokens_sampled_sha256": sampled_sha256(tokens_path, written["tokens_bytes"]),
-            "prepared_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "prepare_seconds": round(time.perf_counter() - t0, 3),
-        }
+        meta = _meta(spec, files, vocab, dtype, n_chars, written, tokens_path, t0)
         _commit(directory, meta, pending)
         pending.clear()
     except OSError as e:
@@ -323,26 +153,66 @@ def _build(
             "directory>"
         ) from None
     finally:
-        for path in pending:
-            with contextlib.suppress(OSError):
-                os.remove(path)
+        _remove(pending)
     if locked:  # nobody else writes here now: clear what older versions and killed preparers left
-        for old in os.listdir(directory):
-            if old != written["tokens_file"] and (
-                old.startswith("tokens-") or old.endswith(".tmp")
-            ):
-                with contextlib.suppress(OSError):
-                    os.remove(os.path.join(directory, old))
+        _remove_leftovers(directory, keep=written["tokens_file"])
     seconds, mb = time.perf_counter() - t0, meta["source_bytes"] / 1e6
     packed = " compressed" if any(compression_of(s.url) for s in files) else ""
     log(
-        f"data | prepared {n_chars:,} characters ({mb:.1f} MB{packed}) in {seconds:.2f} s ({mb / max(seconds, 1e-9):.0f} MB/s)"
-        f" | vocabulary {len(vocab)} | {dtype} ids in {tokens_path}"
+        f"data | prepared {n_chars:,} characters ({mb:.1f} MB{packed}) in {seconds:.2f} s "
+        f"({mb / max(seconds, 1e-9):.0f} MB/s) | vocabulary {len(vocab)} | {dtype} ids in "
+        f"{tokens_path}"
     )
 
 
-def is_prepared_dir(path: str) -> bool:
-    return "://" not in path and os.path.isfile(os.path.join(path, META))
+def _check_unchanged(spec, files, s3_endpoint_url: str, written: dict, expected: int) -> None:
+    """The two passes must have read the same text: pass 2 maps a character pass 1 never saw to
+    id 0. Refuse a source that changed while it was read."""
+    if written["tokens_bytes"] != expected:
+        changed = "the two passes read different numbers of characters"
+    elif [s.describe() for s in find_sources(spec, s3_endpoint_url)] != [
+        s.describe() for s in files
+    ]:
+        changed = "its files' sizes or identities are not what they were before pass 1"
+    else:
+        return
+    raise DatasetError(
+        f"data_config.path: {spec!r} changed while it was being prepared ({changed}); "
+        "run again once nothing writes to it"
+    )
+
+
+def _meta(spec, files, vocab, dtype, n_chars, written, tokens_path, t0) -> dict:
+    """meta.json: what was prepared from what, and the checksums that say it is still whole."""
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "source": spec,
+        "files": [s.describe() for s in files],
+        "source_bytes": sum(s.size for s in files),
+        "source_sha256": written["source_sha256"],
+        "vocab": vocab,
+        "vocab_size": len(vocab),
+        "dtype": dtype,
+        "num_tokens": n_chars,
+        "tokens_file": written["tokens_file"],
+        "tokens_sha256": written["tokens_sha256"],
+        "tokens_sampled_sha256": sampled_sha256(tokens_path, written["tokens_bytes"]),
+        "prepared_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "prepare_seconds": round(time.perf_counter() - t0, 3),
+    }
+
+
+def _remove_leftovers(directory: str, keep: str) -> None:
+    """Token files of older versions, and the temporary files of killed preparers."""
+    old = [n for n in os.listdir(directory) if n.startswith("tokens-") or n.endswith(".tmp")]
+    _remove(os.path.join(directory, n) for n in old if n != keep)
+
+
+def _remove(paths) -> None:
+    for path in paths:
+        with contextlib.suppress(OSError):
+            os.remove(path)
 
 
 def ensure_prepared(
@@ -357,18 +227,7 @@ def ensure_prepared(
     it is then used as it is, with no source to compare against.
     """
     if is_prepared_dir(spec):
-        try:
-            prepared = Prepared(spec, _read_meta(spec))
-        except (ValueError, KeyError, TypeError) as e:
-            raise DatasetError(
-                f"data_config.path: {spec!r} has an unreadable {META} ({e}); prepare it again"
-            ) from None
-        if problem := _token_file_problem(prepared):
-            raise DatasetError(
-                f"data_config.path: {spec!r} is a prepared copy, but {problem}; prepare it again "
-                "from its source"
-            )
-        return prepared
+        return _given_prepared(spec)
     files = find_sources(spec, s3_endpoint_url)
     directory = prepared_dir(spec, cache_dir)
     prepared, problem = check(directory, files)
@@ -383,9 +242,7 @@ def ensure_prepared(
                 "directory>"
             ) from None
         with lock_file, _exclusive(lock_file, directory, log) as locked:
-            prepared, problem = check(
-                directory, files
-            )  # whoever held the lock may have prepared it
+            prepared, problem = check(directory, files)  # whoever held the lock may have made it
             if prepared is None:
                 log(f"data | preparing {spec} -> {directory} ({problem})")
                 _build(directory, spec, files, s3_endpoint_url, locked, log)
@@ -398,17 +255,20 @@ def ensure_prepared(
     return prepared
 
 
-def verify(prepared: Prepared) -> None:
-    """Recompute the token file's full sha256 (reads the whole file; ensure_prepared samples it)."""
-    h = hashlib.sha256()
-    with open(prepared.tokens_path, "rb") as f:
-        while block := f.read(CHUNK_BYTES):
-            h.update(block)
-    if h.hexdigest() != prepared.meta["tokens_sha256"]:
+def _given_prepared(spec: str) -> Prepared:
+    """data_config.path names a prepared directory: used as it is, if it is whole."""
+    try:
+        prepared = Prepared(spec, _read_meta(spec))
+    except (ValueError, KeyError, TypeError) as e:
         raise DatasetError(
-            f"{prepared.tokens_path} is damaged (sha256 mismatch); delete {prepared.directory} "
-            "and prepare it again"
+            f"data_config.path: {spec!r} has an unreadable {META} ({e}); prepare it again"
+        ) from None
+    if problem := _token_file_problem(prepared):
+        raise DatasetError(
+            f"data_config.path: {spec!r} is a prepared copy, but {problem}; prepare it again "
+            "from its source"
         )
+    return prepared
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -438,8 +298,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     m = prepared.meta
+    verified = " | full sha256 verified" if args.verify else ""
     print(
-        f"ready | {prepared.directory} | {m['num_tokens']:,} {m['dtype']} ids | vocabulary {m['vocab_size']} | "
-        f"from {len(m['files'])} file(s), {m['source_bytes']:,} bytes{' | full sha256 verified' if args.verify else ''}"
+        f"ready | {prepared.directory} | {m['num_tokens']:,} {m['dtype']} ids | "
+        f"vocabulary {m['vocab_size']} | from {len(m['files'])} file(s), "
+        f"{m['source_bytes']:,} bytes{verified}"
     )
     return 0

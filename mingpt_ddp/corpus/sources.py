@@ -126,7 +126,8 @@ def _s3_files(spec: str, endpoint_url: str) -> list[SourceFile]:
             raise
     if not _GLOB.search(key):
         return []
-    # A glob: list the prefix before the first wildcard, match the rest part by part ('*' stops at '/').
+    # A glob: list the prefix before the first wildcard, match the rest part by part ('*' stops at
+    # '/').
     prefix, parts = key[: _GLOB.search(key).start()], key.split("/")
     found = []
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
@@ -184,7 +185,8 @@ def _fsspec_files(spec: str) -> list[SourceFile]:
 
 
 def find_sources(spec: str, s3_endpoint_url: str = "") -> list[SourceFile]:
-    """The files data_config.path names (a path, an s3:// or fsspec URL, or a glob of them), in name order."""
+    """The files data_config.path names (a path, an s3:// or fsspec URL, or a glob of them), in name
+    order."""
     from mingpt_ddp.snapshots.storage import storage_hint
 
     try:

@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO as a parallel mode: trainer_config.parallel=deepspeed (pip install -e ".[deepspeed]").
+"""DeepSpeed ZeRO as a parallel mode: trainer_config.parallel=deepspeed
+(pip install -e ".[deepspeed]").
 
 DDP keeps a whole copy of everything on every rank: parameters, gradients and the optimizer
 state (AdamW: two fp32 numbers per parameter, plus an fp32 master copy under bf16). ZeRO, the
@@ -54,7 +55,8 @@ TAG = (
 
 def import_deepspeed(device: torch.device):
     """DeepSpeed, told which accelerator to use (it would otherwise guess from what is installed,
-    and pick the GPU for a trainer_config.device=cpu run), with its INFO logging on every rank off."""
+    and pick the GPU for a trainer_config.device=cpu run), with its INFO logging on every rank
+    off."""
     os.environ.setdefault("DS_ACCELERATOR", device.type)
     try:
         import deepspeed
@@ -66,7 +68,8 @@ def import_deepspeed(device: torch.device):
     from deepspeed.utils import logger
 
     logger.setLevel(logging.WARNING)
-    # DeepSpeed calls all_gather_into_tensor and reduce_scatter_tensor, which torch now warns about every call.
+    # DeepSpeed calls all_gather_into_tensor and reduce_scatter_tensor, which torch now warns about
+    # every call.
     warnings.filterwarnings(
         "ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
     )
@@ -95,7 +98,8 @@ def engine_config(
         },
         "bf16": {"enabled": amp_dtype == "bf16"},
         "fp16": {"enabled": amp_dtype == "fp16"},  # DeepSpeed's own dynamic loss scaling
-        # The Trainer's torch AdamW, not DeepSpeed's fused or CPU Adam (those are compiled on first use).
+        # The Trainer's torch AdamW, not DeepSpeed's fused or CPU Adam (those are compiled on first
+        # use).
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 2**31 - 1,  # the Trainer logs
@@ -128,8 +132,9 @@ def check_weights_only(directory: str) -> None:
 
 
 def consolidated_model(stage: str) -> dict[str, torch.Tensor]:
-    """Full fp32 weights, keyed like the model's own state_dict, from a staged (and checked) DeepSpeed snapshot
-    (its fp32 optimizer partitions, put back together on the CPU; no process group needed)."""
+    """Full fp32 weights, keyed like the model's own state_dict, from a staged (and checked)
+    DeepSpeed snapshot (its fp32 optimizer partitions, put back together on the CPU; no process
+    group needed)."""
     import_deepspeed(torch.device("cpu"))
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -266,14 +271,16 @@ class DeepSpeedStrategy(Strategy):
             )
         if meta["world_size"] != self.ctx.world_size:
             raise SnapshotMismatch(
-                f"{where} holds DeepSpeed partitions for {meta['world_size']} ranks, and this job has "
-                f"{self.ctx.world_size}; resume with {meta['world_size']} ranks (nnodes x nproc_per_node), "
+                f"{where} holds DeepSpeed partitions for {meta['world_size']} ranks, "
+                f"and this job has {self.ctx.world_size}; resume with {meta['world_size']} ranks "
+                "(nnodes x nproc_per_node), "
                 "or export its weights with python -m mingpt_ddp.snapshots consolidate"
             )
 
     def read_tensors(self, snapshot) -> dict:
-        """Collective: every rank loads its partition from the staged files (all the snapshot's files,
-        checked against the manifest and by check_weights_only when the store staged them)."""
+        """Collective: every rank loads its partition from the staged files (all the snapshot's
+        files, checked against the manifest and by check_weights_only when the store staged
+        them)."""
         path, _ = self.engine.load_checkpoint(
             snapshot.directory, tag=TAG, load_lr_scheduler_states=False
         )

@@ -84,8 +84,8 @@ class FSDPStrategy(Single):
         check_muon_supported(args.optim, "fsdp")
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        """Shard in place, block by block, then the root (embeddings, final norm, head): each block's
-        parameters are gathered just before it runs and freed after."""
+        """Shard in place, block by block, then the root (embeddings, final norm, head): each
+        block's parameters are gathered just before it runs and freed after."""
         plan = self.plan
         if (
             plan.compile
@@ -113,7 +113,8 @@ class FSDPStrategy(Single):
         return False  # the MixedPrecisionPolicy casts the parameters
 
     def gradient_sync(self, sync: bool) -> AbstractContextManager:
-        """Before the last micro-step gradients only accumulate (FSDP's set_requires_gradient_sync)."""
+        """Before the last micro-step gradients only accumulate (FSDP's
+        set_requires_gradient_sync)."""
         self.train_model.set_requires_gradient_sync(sync)
         return nullcontext()
 

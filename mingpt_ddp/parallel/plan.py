@@ -18,7 +18,8 @@ AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass(frozen=True)
 class Plan:
-    """How the model is spread over the ranks and in which precision it computes (trainer_config's keys)."""
+    """How the model is spread over the ranks and in which precision it computes (trainer_config's
+    keys)."""
 
     parallel: str = "ddp"  # ddp | fsdp | deepspeed | none
     grad_reduce: str = "all_reduce"  # DDP: all_reduce | via_rank0
@@ -89,7 +90,8 @@ def cpu_flags() -> set[str]:
 
 def bf16_native(device: torch.device, flags: set[str] | None = None) -> tuple[bool, str]:
     """Whether the device computes bf16 in hardware, and the evidence, in words. On a CPU without
-    AVX-512 BF16 or AMX, bf16 is converted to fp32 and back around every multiply (slower than fp32)."""
+    AVX-512 BF16 or AMX, bf16 is converted to fp32 and back around every multiply (slower than
+    fp32)."""
     if device.type == "cuda":
         native = torch.cuda.is_bf16_supported(including_emulation=False)
         return (
@@ -105,7 +107,8 @@ def bf16_native(device: torch.device, flags: set[str] | None = None) -> tuple[bo
 def time_attention(
     device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int, int], reps: int = 5
 ) -> float:
-    """Milliseconds for one causal scaled_dot_product_attention forward + backward at shape (B, nh, T, hs)."""
+    """Milliseconds for one causal scaled_dot_product_attention forward + backward at shape (B, nh,
+    T, hs)."""
     q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     times = []
     for _ in range(reps + 1):  # the first is a warm-up
@@ -120,9 +123,9 @@ def time_attention(
 def autocast_attention_fp32(
     plan: Plan, device: torch.device, shape: tuple[int, int, int, int]
 ) -> tuple[bool, str]:
-    """Under bf16 autocast, should attention run in fp32? Decided by timing both on this device at the
-    model's shape (a few milliseconds at start), not assumed: some CPUs' bf16 attention kernels are
-    slower than their fp32 ones. Returns the choice and the two times, in words."""
+    """Under bf16 autocast, should attention run in fp32? Decided by timing both on this device at
+    the model's shape (a few milliseconds at start), not assumed: some CPUs' bf16 attention kernels
+    are slower than their fp32 ones. Returns the choice and the two times, in words."""
     if not plan.use_amp or plan.amp_dtype != "bf16":
         return False, ""
     bf16_ms, fp32_ms = (

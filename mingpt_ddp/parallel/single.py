@@ -79,7 +79,8 @@ class Single(Strategy):
         return choice
 
     def autocasts(self) -> bool:
-        """Whether forward runs under torch.autocast (modes that cast the parameters themselves do not)."""
+        """Whether forward runs under torch.autocast (modes that cast the parameters themselves do
+        not)."""
         return self.plan.use_amp
 
     def precision_context(self) -> AbstractContextManager:
@@ -104,7 +105,8 @@ class Single(Strategy):
         return loss_sum / n_micro, True
 
     def clip_and_step(self) -> torch.Tensor:
-        """Clip the gradients and update the parameters; returns the gradient norm before clipping."""
+        """Clip the gradients and update the parameters; returns the gradient norm before
+        clipping."""
         # Unscale before clipping, so the clip threshold applies to the true gradients.
         for optimizer in self.optimizers:
             self.scaler.unscale_(optimizer)

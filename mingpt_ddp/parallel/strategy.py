@@ -122,7 +122,8 @@ class Strategy:
 
     @torch.no_grad()
     def evaluate(self, batches: Iterator[Batch]) -> float:
-        # eval(): no dropout. No gradients, so DDP's hooks are not needed (FSDP's gathers still run).
+        # eval(): no dropout. No gradients, so DDP's hooks are not needed (FSDP's gathers still
+        # run).
         self.model.eval()
         total, n = torch.zeros((), device=self.device), 0
         for x, y in batches:
@@ -165,7 +166,8 @@ class Strategy:
     # ----------------------------------------------------------- snapshots
     def snapshot_meta(self) -> dict:
         """What a snapshot records of the mode besides tensors: fp16's loss scale ("scaler") and
-        DeepSpeed's partitioning ("deepspeed": None, any mode can resume it); keys of format 1 on."""
+        DeepSpeed's partitioning ("deepspeed": None, any mode can resume it); keys of format 1
+        on."""
         return {"scaler": {}, "deepspeed": None}
 
     def load_snapshot_meta(self, meta: dict) -> None:
@@ -188,5 +190,6 @@ class Strategy:
         raise NotImplementedError
 
     def write_files(self, stage: str) -> str:
-        """Collective (modes with a layout): write this rank's files under stage; returns their folder."""
+        """Collective (modes with a layout): write this rank's files under stage; returns their
+        folder."""
         raise NotImplementedError

@@ -18,7 +18,6 @@ process group at all.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import sys
 from dataclasses import dataclass
@@ -43,8 +42,9 @@ class DistContext:
     local_world_size: int = 1
     """How many ranks run on this node (LOCAL_WORLD_SIZE); they share its cores and GPUs."""
     run_id: str = ""
-    """torchrun's --rdzv_id (TORCHELASTIC_RUN_ID): the same in every restart of one job, on every node;
-    "" when there is none (run alone, mp.spawn, or torchrun's default id "none", which every job shares)."""
+    """torchrun's --rdzv_id (TORCHELASTIC_RUN_ID): the same in every restart of one job, on every
+    node; "" when there is none (run alone, mp.spawn, or torchrun's default id "none", which every
+    job shares)."""
 
     @property
     def is_main(self) -> bool:
@@ -69,15 +69,16 @@ def choose_device(
         return torch.device("cpu")
     if gpus == 0:
         raise ConfigError(
-            "trainer_config.device=cuda, but no GPU is visible (a CPU-only torch build, no driver, or "
-            "CUDA_VISIBLE_DEVICES empty); fix that or set trainer_config.device=cpu"
+            "trainer_config.device=cuda, but no GPU is visible (a CPU-only torch build, no "
+            "driver, or CUDA_VISIBLE_DEVICES empty); fix that or set trainer_config.device=cpu"
         )
     if local_world_size > gpus or local_rank >= gpus:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
         raise ConfigError(
-            f"{local_world_size} ranks on this node need one GPU each, but {gpus} GPU(s) are visible "
-            f"(CUDA_VISIBLE_DEVICES={visible}); start at most {gpus} per node "
-            f"(torchrun --nproc_per_node={gpus}) or set trainer_config.device=cpu to train on the CPU"
+            f"{local_world_size} ranks on this node need one GPU each, but {gpus} GPU(s) are "
+            f"visible (CUDA_VISIBLE_DEVICES={visible}); start at most {gpus} per node "
+            f"(torchrun --nproc_per_node={gpus}) or set trainer_config.device=cpu to train on "
+            "the CPU"
         )
     return torch.device("cuda", local_rank)
 
@@ -109,20 +110,40 @@ def setup_distributed(timeout_s: float = 600.0, device: str = "auto") -> DistCon
         _IS_MAIN = True
         return DistContext(rank=0, local_rank=0, world_size=1, device=chosen)
 
-    rank = int(os.environ["RANK"])
+    rank, local_rank, world_size, restart_count, local_world_size, run_id = _launcher_env()
     _IS_MAIN = rank == 0  # from here on print0 follows this process's rank
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    world_size = int(os.environ["WORLD_SIZE"])
-    restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    # torchrun (and accelerate, which runs it) says LOCAL_WORLD_SIZE; the deepspeed launcher says LOCAL_SIZE.
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    run_id = "" if run_id == "none" else run_id
     chosen = choose_device(device, gpus, local_rank, local_world_size)
     if chosen.type == "cuda":
         torch.cuda.set_device(chosen)  # one GPU per process, picked by its rank on this node
+    _join(chosen, rank, world_size, restart_count, timedelta(seconds=timeout_s))
+    return DistContext(
+        rank, local_rank, world_size, chosen, restart_count, local_world_size, run_id
+    )
 
-    timeout = timedelta(seconds=timeout_s)
+
+def _launcher_env() -> tuple[int, int, int, int, int, str]:
+    """rank, local rank, world size, restart count, local world size and run id, as the launcher
+    set them."""
+    env = os.environ
+    restart_count = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    # torchrun (and accelerate, which runs it) says LOCAL_WORLD_SIZE; the deepspeed launcher
+    # says LOCAL_SIZE.
+    local_world_size = int(env.get("LOCAL_WORLD_SIZE", env.get("LOCAL_SIZE", "1")))
+    run_id = env.get("TORCHELASTIC_RUN_ID", "")
+    run_id = "" if run_id == "none" else run_id
+    rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
+    return (
+        rank,
+        int(env.get("LOCAL_RANK", "0")),
+        world_size,
+        restart_count,
+        local_world_size,
+        run_id,
+    )
+
+
+def _join(device: torch.device, rank: int, world_size: int, restart_count: int, timeout) -> None:
+    """init_process_group, through the launcher's store, in this attempt's own key space."""
     # Rendezvous through the key-value store at MASTER_ADDR:MASTER_PORT. torchrun
     # keeps that store alive across restarts of the workers, so each attempt gets
     # its own key space: otherwise a restarted group can read the dead attempt's
@@ -134,77 +155,13 @@ def setup_distributed(timeout_s: float = 600.0, device: str = "auto") -> DistCon
     # device_id binds the group to this rank's GPU: nccl connects now rather than at the
     # first collective, and barriers know which GPU to use.
     dist.init_process_group(
-        backend_for(chosen),
+        backend_for(device),
         store=store,
         rank=rank,
         world_size=world_size,
         timeout=timeout,
-        device_id=chosen if chosen.type == "cuda" else None,
+        device_id=device if device.type == "cuda" else None,
     )
-    return DistContext(
-        rank, local_rank, world_size, chosen, restart_count, local_world_size, run_id
-    )
-
-
-def set_cpu_threads(ctx: DistContext, requested: int = 0) -> int:
-    """Set how many threads this rank's CPU math (matmuls, elementwise ops) uses; returns it.
-
-    Ranks on one node share its cores. torchrun sets OMP_NUM_THREADS=1 for every
-    worker so that, say, 8 ranks x 8 threads do not fight over 8 cores; but on a
-    32-core node with 4 ranks that leaves 28 cores idle. 0 means: an equal share of
-    the cores this process may run on. On GPU jobs the CPU only feeds the GPU, and
-    the setting is left alone.
-    """
-    # A SLURM task (an sbatch or submitit job) is given SLURM_CPUS_PER_TASK cores even where SLURM
-    # does not pin it to them: several one-process jobs on a node would otherwise each start a
-    # thread per core, and spinning OpenMP threads that outnumber the cores make steps ~100x slower.
-    slurm_cpus = int(os.environ.get("SLURM_CPUS_PER_TASK", "0") or 0)
-    if ctx.device.type != "cpu" or (
-        requested == 0 and ctx.local_world_size == 1 and not slurm_cpus
-    ):
-        return (
-            torch.get_num_threads()
-        )  # GPU job, or alone on the node: torch's own default is right
-    cores = (
-        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    )
-    cores = min(cores, slurm_cpus or cores)
-    threads = requested or max(1, cores // ctx.local_world_size)
-    torch.set_num_threads(threads)
-    return threads
-
-
-# glibc's mallopt parameters (malloc.h).
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-KEEP_BELOW_BYTES = 32 * 1024 * 1024  # the largest mmap threshold glibc accepts on 64-bit machines
-
-
-def keep_freed_cpu_memory(device: torch.device, enabled: bool = True) -> str:
-    """Let the C allocator keep the memory a step frees, so the next step reuses it; returns what was done.
-
-    Every training step allocates and frees the same tensors (activations, gradients, optimizer
-    temporaries). glibc's malloc serves large blocks with mmap and gives them back to the OS when
-    they are freed, and trims the free tops of its heaps, so the next step's tensors land on fresh
-    pages that the kernel must map and zero, one page fault per 4 KiB: about 2,500 faults a step at
-    nanoGPT's CPU recipe, compiled: 20.7 -> 17.3 ms a step with this setting (README §7). With blocks
-    up to 32 MiB served from the heap and no trimming, the process keeps what it once used and
-    reuses it (its peak memory moved by under 3% here). A MALLOC_* variable or another allocator (LD_PRELOAD
-    jemalloc/tcmalloc) is the user's choice and is left alone; without glibc nothing changes.
-    """
-    if not enabled or device.type != "cpu":
-        return ""  # on a GPU the tensors live in PyTorch's caching allocator, which already reuses blocks
-    if any(k.startswith("MALLOC_") for k in os.environ) or "malloc" in os.environ.get(
-        "LD_PRELOAD", ""
-    ):
-        return "allocator as set in the environment"
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        ok = libc.mallopt(M_MMAP_THRESHOLD, KEEP_BELOW_BYTES) and libc.mallopt(
-            M_TRIM_THRESHOLD, 2**31 - 1
-        )
-    except (OSError, AttributeError):  # not glibc: macOS, musl, Windows
-        return ""
-    return "glibc malloc keeps freed memory" if ok else ""
 
 
 # The launcher's key-value store. Under torchrun it outlives the workers, so one
@@ -271,7 +228,8 @@ def exit_process(code: int) -> None:
 
 
 def launched_with_ranks() -> bool:
-    """Whether a launcher started this process as one rank of several (torchrun, SLURM, mp.spawn...)."""
+    """Whether a launcher started this process as one rank of several (torchrun, SLURM,
+    mp.spawn...)."""
     return "WORLD_SIZE" in os.environ
 
 

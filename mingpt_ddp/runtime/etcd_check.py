@@ -25,12 +25,16 @@ def etcd_v2_problem(endpoint: str, timeout_s: float = 5.0) -> str:
             version = json.load(reply)["etcdserver"]
         major_minor = tuple(int(part) for part in version.split(".")[:2])
     except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"cannot ask {url} for its etcd version ({type(e).__name__}: {e}); is etcd running there?"
+        return (
+            f"cannot ask {url} for its etcd version ({type(e).__name__}: {e}); "
+            "is etcd running there?"
+        )
     if major_minor >= (3, 6):
         return (
-            f"etcd {version} at {url} has no v2 API (etcd 3.6 removed it), which torchrun's etcd and "
-            "etcd-v2 rendezvous need; run etcd 3.5 with --enable-v2 (pip install -e '.[etcd]' "
-            "brings one) or use --rdzv_backend=c10d"
+            f"etcd {version} at {url} has no v2 API (etcd 3.6 removed it), "
+            "which torchrun's etcd and etcd-v2 rendezvous need; "
+            "run etcd 3.5 with --enable-v2 (pip install -e '.[etcd]' brings one) "
+            "or use --rdzv_backend=c10d"
         )
     try:
         urllib.request.urlopen(f"{url}/v2/keys", timeout=timeout_s).close()

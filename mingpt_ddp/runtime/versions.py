@@ -25,11 +25,15 @@ def torch_version_problem(version: str) -> str | None:
     found = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", version).groups())
     if found >= tuple(int(x) for x in MIN_TORCH.split(".")):
         return None
-    return f"torch {version} is installed; this project needs torch >= {MIN_TORCH} (pip install 'torch>={MIN_TORCH}')"
+    return (
+        f"torch {version} is installed; this project needs torch >= {MIN_TORCH} "
+        f"(pip install 'torch>={MIN_TORCH}')"
+    )
 
 
 def require_supported_torch() -> None:
-    """Exit with that line (status 1) instead of an ImportError traceback from deep inside a module."""
+    """Exit with that line (status 1) instead of an ImportError traceback from deep inside a
+    module."""
     import torch
 
     if problem := torch_version_problem(torch.__version__):

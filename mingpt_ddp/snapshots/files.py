@@ -113,9 +113,9 @@ class OpenSnapshot:
         return self.layout is not None and self.layout.load_into is not None
 
     def tensors(self, into: dict | None = None) -> dict:
-        """{"model": ..., "optimizer": ...}. A single-file snapshot holds full tensors. A reshardable
-        one is loaded into `into` (state dicts laid out for this run); otherwise, and without `into`,
-        the layout puts its files back together into full tensors."""
+        """{"model": ..., "optimizer": ...}. A single-file snapshot holds full tensors. A
+        reshardable one is loaded into `into` (state dicts laid out for this run); otherwise, and
+        without `into`, the layout puts its files back together into full tensors."""
         if self.layout is None:
             return self._tensors
         if into is not None and self.layout.load_into is not None:

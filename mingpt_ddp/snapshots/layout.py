@@ -27,21 +27,24 @@ class FileLayout:
     """How one kind of multi-file snapshot is named, checked and read."""
 
     kind: str
-    """The manifest entry's kind ("sharded", "deepspeed"): saved in latest.json, so it never changes."""
+    """The manifest entry's kind ("sharded", "deepspeed"): saved in latest.json, so it never
+    changes."""
     extension: str
     """The folder's extension: snapshot_<step>.g<n>.<extension>/."""
     file_names: re.Pattern
-    """The only file names the folder may hold (besides meta.pt): a manifest naming others is refused."""
+    """The only file names the folder may hold (besides meta.pt): a manifest naming others is
+    refused."""
     full_tensors: Callable[[str], dict]
     """folder -> {"model": ..., ["optimizer": ...]} as full tensors, without a process group."""
     load_into: Callable[[str, dict], dict] | None = None
-    """(folder, state dicts laid out for this run) -> them, filled: loading that reshards to any world
-    size (DCP); None: only full_tensors."""
+    """(folder, state dicts laid out for this run) -> them, filled: loading that reshards to any
+    world size (DCP); None: only full_tensors."""
     refusal: Callable[[dict], str] | None = None
     """meta -> why a run of another parallel mode cannot resume from such a snapshot (its files
     are partitioned for the mode that wrote them); None: any mode can."""
     subdir: str = ""
-    """Where in its staging directory the reader expects the files (DeepSpeed reads <dir>/<tag>/)."""
+    """Where in its staging directory the reader expects the files (DeepSpeed reads
+    <dir>/<tag>/)."""
     check: Callable[[str], None] = _no_check
     """Raise if a staged folder's files are unsafe to hand to their reader."""
 

@@ -7,8 +7,8 @@ interleave their metrics, and the next resume silently mixes two runs.
 
 The lease is one small object, lease.json, beside the snapshots:
 
-    {"owner": "<job id>", "generation": 7, "host": "node3", "pid": 4242, "started": ..., "renewed": ...,
-     "ttl_s": 60, ...}
+    {"owner": "<job id>", "generation": 7, "host": "node3", "pid": 4242,
+     "started": ..., "renewed": ..., "ttl_s": 60, ...}
 
 Global rank 0 takes it before training and renews it every ttl/4 from a background thread.
 Every change to it is a compare-and-swap (storage.write_if: If-Match on S3, a file lock on
@@ -21,8 +21,8 @@ refused with the holder's host, process and the time the lease goes stale.
 A lease alone cannot stop a holder that was paused (SIGSTOP, a VM freeze, a long swap storm)
 past its lease and then wakes up believing it still holds it. So every take increments the
 generation, a fencing token that only grows: the new holder writes it into latest.json at
-once, and mingpt_ddp/snapshots/store.py refuses to commit a manifest from an older generation. The paused job
-can then write nothing that counts, and stops with a fencing error when it next looks.
+once, and mingpt_ddp/snapshots/store.py refuses to commit a manifest from an older generation. The
+paused job can then write nothing that counts, and stops with a fencing error when it next looks.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ LEASE = "lease.json"
 
 
 class LeaseError(RuntimeError):
-    """Another job holds the snapshot path, or this job lost it to another: the message says which."""
+    """Another job holds the snapshot path, or this job lost it to another: the message says
+    which."""
 
 
 def _read_proc(path: str) -> str:
@@ -51,10 +52,11 @@ def _read_proc(path: str) -> str:
 
 
 def process_start(pid: int) -> str:
-    """When process pid started (clock ticks since boot, /proc/<pid>/stat field 22), or "" if it is gone.
-    With the boot id it tells a live holder from a new process that reused its pid. A zombie (state Z)
-    is gone too: it has exited, and only its parent has not yet collected its exit status, which for a
-    killed torchrun worker whose agent was killed too waits on whichever process adopts it."""
+    """When process pid started (clock ticks since boot, /proc/<pid>/stat field 22), or "" if it is
+    gone. With the boot id it tells a live holder from a new process that reused its pid. A zombie
+    (state Z) is gone too: it has exited, and only its parent has not yet collected its exit status,
+    which for a killed torchrun worker whose agent was killed too waits on whichever process adopts
+    it."""
     stat = _read_proc(f"/proc/{pid}/stat")
     fields = stat.rsplit(")", 1)[1].split() if stat else []  # after the name: state, ppid, ...
     return fields[19] if fields and fields[0] not in ("Z", "X") else ""
@@ -72,8 +74,8 @@ def this_process() -> dict:
 
 
 def holder_is_gone(record: dict) -> bool:
-    """True only when the holder ran on this machine (same host name and boot) and its process has exited.
-    On another machine nothing can be known from here: only the lease's age tells."""
+    """True only when the holder ran on this machine (same host name and boot) and its process has
+    exited. On another machine nothing can be known from here: only the lease's age tells."""
     me = this_process()
     if not me["boot_id"] or (record.get("host"), record.get("boot_id")) != (
         me["host"],
@@ -99,7 +101,8 @@ def _when(t: float) -> str:
 
 
 class Lease:
-    """The lease on one snapshot path, as held (or sought) by one job; used by global rank 0 only."""
+    """The lease on one snapshot path, as held (or sought) by one job; used by global rank 0
+    only."""
 
     def __init__(self, storage: Storage, url: str, owner: str, ttl_s: float, clock=time.time):
         self.storage, self.url, self.owner, self.ttl_s, self.clock = (
@@ -120,8 +123,9 @@ class Lease:
 
     # ------------------------------------------------------------------ taking it
     def acquire(self, min_generation: int = 0) -> str:
-        """Take the lease or raise LeaseError naming the holder. Returns how it was taken (for the log).
-        min_generation: the generation latest.json records, so a deleted lease.json cannot reuse one."""
+        """Take the lease or raise LeaseError naming the holder. Returns how it was taken (for the
+        log). min_generation: the generation latest.json records, so a deleted lease.json cannot
+        reuse one."""
         for _ in range(3):  # a lost compare-and-swap means someone else moved: look again
             record, version = self._read()
             how = self._may_take(record)
@@ -142,8 +146,8 @@ class Lease:
                 self._valid_until = start + self.ttl_s
                 return how
         raise LeaseError(
-            f"trainer_config.snapshot_path {self.url!r}: the lease kept changing while this job tried "
-            "to take it; another job is starting on the same path"
+            f"trainer_config.snapshot_path {self.url!r}: the lease kept changing "
+            "while this job tried to take it; another job is starting on the same path"
         )
 
     def _read(self) -> tuple[dict | None, str | None]:
@@ -166,19 +170,24 @@ class Lease:
             return f"held by this job already (generation {record.get('generation')}): a restart"
         renewed, ttl = float(record.get("renewed", 0)), float(record.get("ttl_s", 0))
         if self.clock() > renewed + ttl:
-            return f"stale since {_when(renewed + ttl)} (job {record.get('owner')} on {record.get('host')})"
+            return (
+                f"stale since {_when(renewed + ttl)} "
+                f"(job {record.get('owner')} on {record.get('host')})"
+            )
         if holder_is_gone(record):
             return f"its holder, pid {record.get('pid')} on this machine, has exited"
         raise LeaseError(
-            f"trainer_config.snapshot_path {self.url!r} is in use by another job: {record.get('owner')} "
-            f"(host {record.get('host')}, pid {record.get('pid')}, since {_when(float(record.get('started', 0)))}); "
-            f"its lease goes stale at {_when(renewed + ttl)} if that job stops; stop it, or give this run "
-            "its own trainer_config.run_dir"
+            f"trainer_config.snapshot_path {self.url!r} is in use by another job: "
+            f"{record.get('owner')} (host {record.get('host')}, pid {record.get('pid')}, "
+            f"since {_when(float(record.get('started', 0)))}); "
+            f"its lease goes stale at {_when(renewed + ttl)} if that job stops; "
+            "stop it, or give this run its own trainer_config.run_dir"
         )
 
     # ------------------------------------------------------------- keeping it
     def start_renewing(self) -> None:
-        """Renew every ttl/4 in a daemon thread, so a long step or evaluation never lets it lapse."""
+        """Renew every ttl/4 in a daemon thread, so a long step or evaluation never lets it
+        lapse."""
         self._thread = threading.Thread(target=self._renew_loop, name="lease-renewal", daemon=True)
         self._thread.start()
 
@@ -208,14 +217,16 @@ class Lease:
             current = current or {}
             self._lost = (
                 f"this job lost the lease on trainer_config.snapshot_path {self.url!r} to job "
-                f"{current.get('owner')} (host {current.get('host')}, pid {current.get('pid')}, generation "
-                f"{current.get('generation')}) while it was not renewed for {self.ttl_s:g} s "
-                "(paused or cut off); stopping without writing, the other job's snapshots stand"
+                f"{current.get('owner')} (host {current.get('host')}, pid {current.get('pid')}, "
+                f"generation {current.get('generation')}) "
+                f"while it was not renewed for {self.ttl_s:g} s (paused or cut off); "
+                "stopping without writing, the other job's snapshots stand"
             )
 
     def check(self) -> None:
-        """Raise LeaseError if another job has taken the lease. Cheap while the last renewal is recent;
-        past it (this process was paused, or renewals kept failing) it asks the storage first."""
+        """Raise LeaseError if another job has taken the lease. Cheap while the last renewal is
+        recent; past it (this process was paused, or renewals kept failing) it asks the storage
+        first."""
         if not self._lost and _elapsed_clock() >= self._valid_until:
             try:
                 self._renew()
@@ -225,7 +236,8 @@ class Lease:
             raise LeaseError(self._lost)
 
     def release(self) -> None:
-        """Mark the lease free at the end of the job, so the next run need not wait; only if still ours."""
+        """Mark the lease free at the end of the job, so the next run need not wait; only if still
+        ours."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()

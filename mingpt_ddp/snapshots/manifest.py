@@ -26,7 +26,8 @@ from mingpt_ddp.snapshots.lease import LeaseError
 from mingpt_ddp.snapshots.storage import Storage
 
 MANIFEST = "latest.json"
-# .pt: one file; any other extension: a folder, whose FileLayout (its writer's rules) says what it holds.
+# .pt: one file; any other extension: a folder, whose FileLayout (its writer's rules) says what it
+# holds.
 SNAPSHOT_RE = re.compile(r"^snapshot_(\d+)(?:\.g(\d+))?\.([a-z0-9]+)$")
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
@@ -95,8 +96,8 @@ class Manifest:
         self.storage, self.url, self.layouts = storage, url, layouts  # layouts by extension
 
     def read(self) -> tuple[Entries, int, str | None]:
-        """The committed entries that pass entry_problem, the lease generation that last committed, and
-        the manifest's version (for the compare-and-swap that replaces it)."""
+        """The committed entries that pass entry_problem, the lease generation that last committed,
+        and the manifest's version (for the compare-and-swap that replaces it)."""
         data, version = self.storage.read_versioned(MANIFEST)
         if data is None:
             return [], 0, None
@@ -115,7 +116,8 @@ class Manifest:
         for entry in entries:
             if problem := entry_problem(entry, self.layouts):
                 warn0(
-                    f"snapshot manifest {self.url}/{MANIFEST}: entry {json.dumps(entry)[:160]} skipped ({problem})"
+                    f"snapshot manifest {self.url}/{MANIFEST}: "
+                    f"entry {json.dumps(entry)[:160]} skipped ({problem})"
                 )
             else:
                 good.append(entry)
@@ -124,9 +126,10 @@ class Manifest:
     def update(
         self, change: Callable[[Entries], tuple[Entries, Entries]], generation: int | None
     ) -> Entries:
-        """Replace the manifest with change(entries) -> (kept, dropped), as one compare-and-swap; returns
-        the dropped entries. generation: this job's lease generation, refused (LeaseError) if the
-        manifest was committed by a newer one; None: no lease, keep the recorded generation."""
+        """Replace the manifest with change(entries) -> (kept, dropped), as one compare-and-swap;
+        returns the dropped entries. generation: this job's lease generation, refused (LeaseError)
+        if the manifest was committed by a newer one; None: no lease, keep the recorded
+        generation."""
         for _ in range(
             5
         ):  # a lost compare-and-swap: read again (the refusal below ends it if fenced out)
@@ -134,8 +137,8 @@ class Manifest:
             if generation is not None and recorded > generation:
                 raise LeaseError(
                     f"snapshot commit refused: this job holds lease generation {generation}, but "
-                    f"{self.url}/{MANIFEST} was committed by generation {recorded}; another job has "
-                    "taken over this snapshot path, and its snapshots stand"
+                    f"{self.url}/{MANIFEST} was committed by generation {recorded}; "
+                    "another job has taken over this snapshot path, and its snapshots stand"
                 )
             kept, dropped = change(entries)
             doc = {"generation": recorded if generation is None else generation, "snapshots": kept}

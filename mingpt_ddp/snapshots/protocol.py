@@ -8,9 +8,9 @@ between them, on every rank:
 - resume(): open the newest snapshot, refuse one of another model shape, vocabulary, optimizer or
   partitioning (naming the setting to change), and load it so every rank continues from the
   same step;
-- save_and_vote(): after each step, snapshot when it is time, then one all-reduce through which every
-  rank learns the Verdict: go on, a failed save (go on, retry at the next save point), too many
-  failed saves or a lost lease (stop), or a stop signal on some rank (snapshot, then stop);
+- save_and_vote(): after each step, snapshot when it is time, then one all-reduce through which
+  every rank learns the Verdict: go on, a failed save (go on, retry at the next save point), too
+  many failed saves or a lost lease (stop), or a stop signal on some rank (snapshot, then stop);
 - stop_for(): the snapshot a stop signal asks for, and where a rerun resumes if it fails.
 """
 
@@ -33,24 +33,37 @@ from mingpt_ddp.snapshots.store import SnapshotStore
 
 
 class Snapshottable(Protocol):
-    """What the protocol needs of the state it saves (like torchtitan's Stateful, plus identity)."""
+    """What the protocol needs of the training state (like torchtitan's Stateful, plus identity):
+    the Trainer."""
 
     step: int
-    layout: FileLayout | None  # None: one file, written by rank 0; else every rank writes its files
 
     def identity(self) -> dict[str, Any]:
         """{"gpt_config", "optimizer", "vocab"}: what a snapshot must match to be resumed."""
 
-    def check_layout(self, snapshot: OpenSnapshot, where: str) -> None:
-        """Refuse a snapshot of a partitioning this run cannot load (SnapshotMismatch)."""
+    def meta_state(self) -> dict[str, Any]:
+        """Everything but the tensors (collective)."""
 
-    def meta_state(self) -> dict[str, Any]: ...
-    def state_dict(self) -> dict[str, Any]: ...
-    def write_files(self, stage: str) -> str: ...
-    def read_tensors(self, snapshot: OpenSnapshot) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, Any]:
+        """meta_state() and the tensors: what a single-file snapshot holds."""
+
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
     def position(self) -> str:
         """Where a resumed run stands, in words: step, data position, world size then and now."""
+
+
+class TensorFiles(Protocol):
+    """How the tensors are laid out in a snapshot: the parallel strategy's part of the protocol."""
+
+    layout: FileLayout | None  # None: one file, written by rank 0; else every rank writes its files
+
+    def check_snapshot(self, snapshot: OpenSnapshot, where: str) -> None:
+        """Refuse a snapshot of a partitioning this run cannot load (SnapshotMismatch)."""
+
+    def write_files(self, stage: str) -> str: ...
+
+    def read_tensors(self, snapshot: OpenSnapshot) -> dict[str, Any]: ...
 
 
 class Verdict(enum.IntEnum):
@@ -70,28 +83,24 @@ class Vote:
 
 
 class Checkpointer:
-    """One run's snapshots: resume from the newest, save on schedule, vote on what a failure means."""
+    """One run's snapshots: resume from the newest, save on schedule, vote on what a failure
+    means."""
 
     def __init__(
         self,
         state: Snapshottable,
+        tensors: TensorFiles,
         store: SnapshotStore,
         cfg,
         is_main: bool,
         control: ControlPlane,
         metrics,
     ):
-        self.state, self.store, self.cfg, self.is_main = state, store, cfg, is_main
-        self.control, self.metrics = (
-            control,
-            metrics,
-        )  # metrics: where each save's stall is recorded
-        self.failed_saves = (
-            0  # save points in a row whose snapshot could not be written (rank 0 counts)
-        )
-        self._counted_since: dict | None = (
-            None  # the snapshot committed when the count last started
-        )
+        self.state, self.tensors, self.store, self.cfg = state, tensors, store, cfg
+        self.is_main, self.control = is_main, control
+        self.metrics = metrics  # where each save's stall is recorded
+        self.failed_saves = 0  # save points in a row that wrote no snapshot (rank 0 counts)
+        self._counted_since: dict | None = None  # the snapshot committed when the count started
 
     def resume(self) -> None:
         """Continue from the newest usable snapshot, or start fresh. Collective: every rank ends at
@@ -102,7 +111,7 @@ class Checkpointer:
             state = None
             if snapshot is not None:
                 self.check_compatible(snapshot)  # 1. the metadata: refuse another model or corpus
-                state = {**snapshot.meta, **self.state.read_tensors(snapshot)}  # 2. the tensors
+                state = {**snapshot.meta, **self.tensors.read_tensors(snapshot)}  # 2. the tensors
         steps = self.control.gather(state["step"] if state else None)
         if len(set(steps)) > 1:  # e.g. one node could not read the newest snapshot and fell back
             raise SnapshotError(
@@ -128,7 +137,8 @@ class Checkpointer:
             self.state.identity(),
             f"snapshot under {self.store.url!r}",
         )
-        # A field a snapshot does not name was added since it was written: it had the default's meaning.
+        # A field a snapshot does not name was added since it was written: it had the default's
+        # meaning.
         saved_gpt = {**to_dict(GPTConfig()), **meta["config"]["gpt_config"]}
         mismatched = [
             f"{f} (snapshot {saved_gpt.get(f)!r}, config {mine['gpt_config'][f]!r})"
@@ -147,7 +157,7 @@ class Checkpointer:
                 f"{where} holds {saved} state, and this run uses {mine['optimizer']}; resume with "
                 f"optimizer_config.optimizer={saved}, or use another trainer_config.run_dir"
             )
-        self.state.check_layout(snapshot, where)
+        self.tensors.check_snapshot(snapshot, where)
         if meta["vocab"] != mine["vocab"]:
             raise SnapshotMismatch(
                 f"{where} was trained on a different vocabulary; use the same "
@@ -155,8 +165,8 @@ class Checkpointer:
             )
 
     def save_and_vote(self, last: bool, stop_signal: int | None) -> Vote:
-        """Snapshot if it is time, then one all-reduce through which every rank learns whether rank 0
-        lost the snapshot path to another job (all stop), whether a save failed (all go on, or all
+        """Snapshot if it is time, then one all-reduce through which every rank learns whether rank
+        0 lost the snapshot path to another job (all stop), whether a save failed (all go on, or all
         raise when rank 0 has counted too many in a row) or whether a rank received SIGTERM/SIGINT
         (all stop after a snapshot)."""
         if self.store.last_committed is not self._counted_since:  # a snapshot landed: count anew
@@ -164,11 +174,13 @@ class Checkpointer:
         failure, mine = None, Verdict.GO_ON
         try:
             if self.is_main:
-                self.store.check_owner()  # a paused job woken after losing its lease writes nothing more
+                # A paused job woken after losing its lease writes nothing more.
+                self.store.check_owner()
             if self.state.step % self.cfg.save_every == 0 or last:
                 self.save(block=last)
             if self.is_main:
-                self.store.raise_if_failed()  # a failed background save counts as a failed save point
+                # A failed background save counts as a failed save point.
+                self.store.raise_if_failed()
         except LeaseError as e:
             failure, mine = e, Verdict.LEASE_LOST
         except SnapshotError as e:
@@ -195,7 +207,8 @@ class Checkpointer:
         return vote
 
     def save(self, block: bool = False) -> float:
-        """Save the current state; returns (and records in the metrics) the seconds training was stalled."""
+        """Save the current state; returns (and records in the metrics) the seconds training was
+        stalled."""
         stalled = self._write(block)
         self.metrics.write(
             {"step": self.state.step, "event": "snapshot", "stall_ms": round(1e3 * stalled, 2)}
@@ -203,15 +216,16 @@ class Checkpointer:
         return stalled
 
     def _write(self, block: bool) -> float:
-        t0, step, layout = time.perf_counter(), self.state.step, self.state.layout
+        t0, step, layout = time.perf_counter(), self.state.step, self.tensors.layout
         if layout is not None:  # every rank writes its own files (shards, partitions), in parallel
             entry = self.store.save_files(
-                self.state.write_files, self.state.meta_state(), step, self.is_main, layout.kind
+                self.tensors.write_files, self.state.meta_state(), step, self.is_main, layout.kind
             )
             if entry:
                 print0(
-                    f"snapshot | step {step} | {entry['bytes'] / 1e6:.1f} MB in {len(entry['files'])} "
-                    f"files ({layout.kind}) | {time.perf_counter() - t0:.2f} s | "
+                    f"snapshot | step {step} | {entry['bytes'] / 1e6:.1f} MB "
+                    f"in {len(entry['files'])} files ({layout.kind}) | "
+                    f"{time.perf_counter() - t0:.2f} s | "
                     f"{self.store.url}/{entry['file']}"
                 )
             return time.perf_counter() - t0
@@ -234,7 +248,8 @@ class Checkpointer:
         return time.perf_counter() - t0
 
     def stop_for(self, signum: int) -> None:
-        """Stopped by a signal on some rank: every rank saves the current step (if not just saved)."""
+        """Stopped by a signal on some rank: every rank saves the current step (if not just
+        saved)."""
         print0(
             f"preempted | {signal.Signals(signum).name} received | "
             f"saving step {self.state.step}; rerun the same command to continue"
@@ -246,9 +261,9 @@ class Checkpointer:
                 raise SnapshotError(self._failed_save_message(e, last=True, fatal=True)) from None
 
     def _count_failed_save(self, last: bool) -> Verdict:
-        """A save point whose snapshot was not written. The work since the last good snapshot is still in
-        memory, so training goes on and the next save point tries again (a passing fault: a full disk
-        being cleaned, S3 throttling), unless this was the last save or rank 0 has counted
+        """A save point whose snapshot was not written. The work since the last good snapshot is
+        still in memory, so training goes on and the next save point tries again (a passing fault: a
+        full disk being cleaned, S3 throttling), unless this was the last save or rank 0 has counted
         trainer_config.max_failed_saves in a row. Rank 0's count decides, for every rank."""
         self.failed_saves += 1
         fatal = last or self.failed_saves >= self.cfg.max_failed_saves
@@ -270,7 +285,7 @@ class Checkpointer:
             )
             return f"{why} ({error}); a rerun resumes from {resume}"
         return (
-            f"{error}; training goes on and tries again at the next save point ({self.failed_saves} of "
-            f"trainer_config.max_failed_saves={self.cfg.max_failed_saves} in a row); a rerun now would "
-            f"resume from {resume}"
+            f"{error}; training goes on and tries again at the next save point "
+            f"({self.failed_saves} of trainer_config.max_failed_saves={self.cfg.max_failed_saves} "
+            f"in a row); a rerun now would resume from {resume}"
         )

@@ -26,9 +26,9 @@ import fsspec
 
 
 def check_name(name: str) -> str:
-    """An object name as this module accepts it: one plain name, or folder/name (a sharded snapshot's
-    file). No absolute path, no '..' or '.', no backslash: nothing read from a manifest or a listing
-    can reach outside the storage root, whatever it says."""
+    """An object name as this module accepts it: one plain name, or folder/name (a sharded
+    snapshot's file). No absolute path, no '..' or '.', no backslash: nothing read from a manifest
+    or a listing can reach outside the storage root, whatever it says."""
     parts = name.split("/") if isinstance(name, str) else []
     if (
         not 1 <= len(parts) <= 2
@@ -41,7 +41,8 @@ def check_name(name: str) -> str:
 
 
 def _read_hashed(storage, name: str) -> tuple[bytes | None, str | None]:
-    """read_versioned for backends without object versions: the version is the sha256 of the bytes."""
+    """read_versioned for backends without object versions: the version is the sha256 of the
+    bytes."""
     try:
         data = storage.read(name)
     except FileNotFoundError:
@@ -96,17 +97,19 @@ class LocalStorage:
             return f.read()
 
     def read_versioned(self, name: str) -> tuple[bytes | None, str | None]:
-        """The object and its version (a hash of its bytes), or (None, None) if it does not exist."""
+        """The object and its version (a hash of its bytes), or (None, None) if it does not
+        exist."""
         return _read_hashed(self, name)
 
     def write_if(self, name: str, data: bytes, version: str | None) -> str | None:
-        """Compare-and-swap: replace name with data only if its version is still `version` (None: only if
-        it does not exist). Returns the new version, or None if another writer got there first.
+        """Compare-and-swap: replace name with data only if its version is still `version` (None:
+        only if it does not exist). Returns the new version, or None if another writer got there
+        first.
 
         Every writer of these objects takes an exclusive lock on a lock file beside them for the
-        read-compare-write, so two of them cannot interleave. flock works on local filesystems and on
-        NFSv4 (the Linux client turns it into an NFS lock); on a filesystem without locking (some FUSE
-        mounts) two writers racing within one write can both succeed."""
+        read-compare-write, so two of them cannot interleave. flock works on local filesystems and
+        on NFSv4 (the Linux client turns it into an NFS lock); on a filesystem without locking (some
+        FUSE mounts) two writers racing within one write can both succeed."""
         os.makedirs(self.root, exist_ok=True)
         fd = os.open(
             os.path.join(self.root, f".{check_name(name)}.lock"), os.O_CREAT | os.O_RDWR, 0o644
@@ -125,7 +128,8 @@ class LocalStorage:
             os.remove(path)
 
     def list(self) -> list[str]:
-        """Names under the root, without hidden ones (temp files of writes in flight, lock files)."""
+        """Names under the root, without hidden ones (temp files of writes in flight, lock
+        files)."""
         return (
             [n for n in os.listdir(self.root) if not n.startswith(".")]
             if os.path.isdir(self.root)
@@ -202,9 +206,9 @@ class S3Storage:
         return response["Body"].read(), response["ETag"]
 
     def write_if(self, name: str, data: bytes, version: str | None) -> str | None:
-        """Compare-and-swap through S3's conditional writes: If-Match the ETag we read (or If-None-Match: *
-        to create), so S3 itself refuses the write if another writer replaced the object in between.
-        Returns the new ETag, or None if refused."""
+        """Compare-and-swap through S3's conditional writes: If-Match the ETag we read (or
+        If-None-Match: * to create), so S3 itself refuses the write if another writer replaced the
+        object in between. Returns the new ETag, or None if refused."""
         from botocore.exceptions import ClientError
 
         condition = {"IfMatch": version} if version else {"IfNoneMatch": "*"}
@@ -279,7 +283,8 @@ Storage = LocalStorage | S3Storage | FsspecStorage
 
 
 def storage_hint(error: Exception, setting: str, otherwise: str) -> str:
-    """What to fix, for the storage errors people actually hit (setting: the config key naming the URL)."""
+    """What to fix, for the storage errors people actually hit (setting: the config key naming the
+    URL)."""
     text = f"{type(error).__name__}: {error}"
     if (
         "Credentials" in type(error).__name__
@@ -292,12 +297,16 @@ def storage_hint(error: Exception, setting: str, otherwise: str) -> str:
     if "NoSuchBucket" in text:
         return f"create the bucket or fix the bucket name in {setting}"
     if "EndpointConnection" in type(error).__name__ or "Connect" in type(error).__name__:
-        return "check trainer_config.s3_endpoint_url / AWS_ENDPOINT_URL and that the server is reachable"
+        return (
+            "check trainer_config.s3_endpoint_url / AWS_ENDPOINT_URL "
+            "and that the server is reachable"
+        )
     return otherwise
 
 
 def open_storage(url: str, s3_endpoint_url: str = "") -> Storage:
-    """Plain paths and file:// are local, s3:// goes through boto3, everything else through fsspec."""
+    """Plain paths and file:// are local, s3:// goes through boto3, everything else through
+    fsspec."""
     if "://" not in url:
         return LocalStorage(url)
     if url.startswith("file://"):

@@ -7,17 +7,17 @@ only stores and retrieves it, through one small interface:
 
     store = SnapshotStore("runs/x/snapshots", keep_last=3)
     store.check_writable()          # at start-up, before any training step
-    store.acquire(owner, ttl_s)     # one writer per path: a lease, and a generation that fences (mingpt_ddp/snapshots/lease.py)
+    store.acquire(owner, ttl_s)     # one writer per path: a lease, and a generation that fences
     store.save(state, step)         # commit a new snapshot
     with store.open_latest() as snapshot:   # the newest snapshot that passes its checks, or None
         snapshot.meta                       #   1. its metadata (step, config, vocabulary...)
-        snapshot.tensors(into=...)          #   2. its tensors, a sharded one into the caller's layout
+        snapshot.tensors(into=...)          #   2. its tensors (DCP shards: into this run's layout)
 
 Layout under the snapshot URL (a directory or URL prefix):
 
     snapshot_00000500.g1.pt   torch.save of the state dict (g1: written under lease generation 1)
     snapshot_00001000.g2.pt   (a later job on the same path holds generation 2)
-    snapshot_00001500.g2.dcp/ FSDP: every rank's DCP shards + meta.pt; .zero/: DeepSpeed's per-rank files
+    snapshot_00001500.g2.dcp/ FSDP: every rank's DCP shards + meta.pt (.zero/: DeepSpeed's files)
     latest.json               manifest: the committed snapshots, newest last, with size + sha256,
                               and the generation that last committed
     lease.json                who writes here now (mingpt_ddp/snapshots/lease.py)
@@ -37,14 +37,13 @@ still fails, until too many fail in a row.
 
 The manifest is untrusted input: snapshot directories get shared and downloaded.
 Every entry is checked against the names this module writes before anything is
-read or deleted (mingpt_ddp/snapshots/manifest.py), and mingpt_ddp/snapshots/storage.py refuses any name that leaves the
-root, so no manifest can make a run touch a file outside its snapshot path.
+read or deleted (manifest.py), and storage.py refuses any name that leaves the root, so no
+manifest can make a run touch a file outside its snapshot path. The lease is lease.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import tempfile
 import threading
@@ -53,20 +52,14 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
-
 from mingpt_ddp.errors import SnapshotError, SnapshotMismatch  # noqa: F401 - raised to the store's users
 from mingpt_ddp.runtime.distributed import all_gather_objects, print0, warn0
-from mingpt_ddp.snapshots.files import OpenSnapshot, copy_to_cpu, fingerprint, open_entry, serialize
+from mingpt_ddp.snapshots.files import copy_to_cpu, fingerprint, serialize
 from mingpt_ddp.snapshots.layout import META, FileLayout
 from mingpt_ddp.snapshots.lease import Lease, LeaseError
-from mingpt_ddp.snapshots.manifest import (
-    SNAPSHOT_RE,
-    Manifest,
-    newest_first,
-    snapshot_name,
-)  # noqa: F401 - MANIFEST for users
-from mingpt_ddp.snapshots.storage import open_storage, storage_hint
+from mingpt_ddp.snapshots.manifest import MANIFEST, snapshot_name  # noqa: F401 - MANIFEST: users'
+from mingpt_ddp.snapshots.reader import SnapshotReader
+from mingpt_ddp.snapshots.storage import storage_hint
 
 
 def _hint(error: Exception) -> str:
@@ -77,18 +70,10 @@ def _hint(error: Exception) -> str:
     )
 
 
-def strategy_layouts() -> dict[str, FileLayout]:
-    """The multi-file layouts the parallel strategies declare (a store built without being told)."""
-    from mingpt_ddp.parallel.registry import file_layouts
-
-    return file_layouts()
-
-
-class SnapshotStore:
-    """Snapshots under one URL: committed atomically, one writer at a time, read back checked.
-
-    layouts: the FileLayouts of the multi-file snapshots it may write and read, by kind; by default
-    those the registered parallel strategies declare (mingpt_ddp/parallel/registry.py)."""
+class SnapshotStore(SnapshotReader):
+    """Snapshots under one URL: committed atomically, one writer at a time, read back checked
+    (SnapshotReader). layouts: the FileLayouts of the multi-file snapshots it may write and read,
+    by kind; by default those the parallel strategies declare (mingpt_ddp/parallel/registry.py)."""
 
     def __init__(
         self,
@@ -98,20 +83,11 @@ class SnapshotStore:
         save_attempts: int = 3,
         layouts: dict[str, FileLayout] | None = None,
     ):
-        self.url = url
-        self.layouts = strategy_layouts() if layouts is None else layouts
+        super().__init__(url, s3_endpoint_url, layouts)
         self.keep_last = keep_last
-        self.save_attempts = (
-            save_attempts  # per save, with backoff, before the save counts as failed
-        )
-        self.storage = open_storage(url, s3_endpoint_url)
-        by_extension = {layout.extension: layout for layout in self.layouts.values()}
-        self.manifest = Manifest(self.storage, url, by_extension)
+        self.save_attempts = save_attempts  # per save, with backoff, before it counts as failed
         self.lease: Lease | None = None  # taken by acquire() on the rank that commits
         self.generation = 0  # the lease generation this job writes under (0: no lease)
-        self.last_committed: dict | None = (
-            None  # the newest snapshot known good: where a rerun resumes
-        )
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -124,14 +100,17 @@ class SnapshotStore:
             self.storage.delete(probe)
         except Exception as e:  # noqa: BLE001 - reported with a hint, whatever it is
             raise SnapshotError(
-                f"trainer_config.snapshot_path: cannot write to {self.url!r} ({type(e).__name__}: {e}); {_hint(e)}"
+                f"trainer_config.snapshot_path: cannot write to {self.url!r} "
+                f"({type(e).__name__}: {e}); {_hint(e)}"
             ) from None
 
     # ------------------------------------------------------------ one writer
     def acquire(self, owner: str, ttl_s: float, clock=time.time, renew: bool = True) -> str:
-        """Take this path's lease for job `owner` (mingpt_ddp/snapshots/lease.py; LeaseError names the holder if another job has
+        """Take this path's lease for job `owner` (lease.py; LeaseError names the holder if another
+        job has
         it), then write its generation into latest.json at once: from then on a job holding an older
-        generation cannot commit, even before this one saves anything. Returns how the lease was taken."""
+        generation cannot commit, even before this one saves anything. Returns how the lease was
+        taken."""
         _, generation, _ = self.manifest.read()
         self.lease = Lease(self.storage, self.url, owner, ttl_s, clock)
         how = self.lease.acquire(min_generation=generation)
@@ -162,11 +141,9 @@ class SnapshotStore:
         # The generation in the name: a fenced-out job's files can never replace the owner's.
         return snapshot_name(step, self.generation, extension)
 
-    def _manifest(self) -> list[dict]:
-        return self.manifest.read()[0]
-
     def _retry(self, attempt: Callable[[], Any]) -> Any:
-        """attempt(), tried again after 0.5 s, 1 s, ... on a storage error (a full disk being cleaned,
+        """attempt(), tried again after 0.5 s, 1 s, ... on a storage error (a full disk being
+        cleaned,
         S3 throttling beyond boto3's own retries, a connection reset); never on a lost lease."""
         for i in range(self.save_attempts):
             try:
@@ -180,8 +157,9 @@ class SnapshotStore:
 
     @contextlib.contextmanager
     def _save_failures(self, what: str, step: int, tried: str = "") -> Iterator[None]:
-        """Whatever makes a save fail becomes one SnapshotError naming the step, the place, the cause and
-        what to do about it (the caller decides whether training goes on); a lost lease stays a LeaseError,
+        """Whatever makes a save fail becomes one SnapshotError naming the step, the place, the
+        cause and what to do about it (the caller decides whether training goes on); a lost lease
+        stays a LeaseError,
         since it means another job owns the path and this one must stop."""
         try:
             yield
@@ -238,7 +216,8 @@ class SnapshotStore:
             self.storage.delete(entry["file"])
         except Exception as e:  # noqa: BLE001 - a leftover file is not lost work
             warn0(
-                f"could not delete {self.url}/{entry['file']} ({type(e).__name__}: {e}); it can be removed by hand"
+                f"could not delete {self.url}/{entry['file']} ({type(e).__name__}: {e}); it can be "
+                "removed by hand"
             )
 
     def save_files(
@@ -280,7 +259,8 @@ class SnapshotStore:
     def _store_own_files(
         self, write: Callable[[str], str], name: str, kind: str
     ) -> tuple[dict, str | None]:
-        """This rank's part of save_files: its files written, stored, fingerprinted; or the error."""
+        """This rank's part of save_files: its files written, stored, fingerprinted; or the
+        error."""
         mine, error = {}, None
         with tempfile.TemporaryDirectory(prefix=f"{kind}-stage-") as stage:
             folder = write(stage)
@@ -288,7 +268,7 @@ class SnapshotStore:
                 for file in sorted(os.listdir(folder)):
                     with open(os.path.join(folder, file), "rb") as f:
                         data = f.read()
-                    self._retry(lambda: self.storage.write(f"{name}/{file}", data))
+                    self._retry(lambda f=file, d=data: self.storage.write(f"{name}/{f}", d))
                     mine[file] = fingerprint(data)
             except Exception as e:  # noqa: BLE001 - shared with every rank by save_files
                 error = f"{type(e).__name__}: {e}"
@@ -310,12 +290,14 @@ class SnapshotStore:
             try:
                 entry = self._commit(serialize(cpu_state), step)
                 print0(
-                    f"snapshot | step {step} | {entry['bytes'] / 1e6:.1f} MB | written in background "
+                    f"snapshot | step {step} | {entry['bytes'] / 1e6:.1f} MB | written in "
+                    "background "
                     f"in {time.perf_counter() - t0:.2f} s | {self.url}/{entry['file']}"
                 )
             except BaseException as e:  # noqa: BLE001 - handed to the training thread
                 warn0(
-                    f"background snapshot save of step {step} to {self.url} failed: {type(e).__name__}: {e}"
+                    f"background snapshot save of step {step} to {self.url} failed: "
+                    f"{type(e).__name__}: {e}"
                 )
                 self._error = e
 
@@ -338,74 +320,3 @@ class SnapshotStore:
             self._thread.join()
             self._thread = None
         self.raise_if_failed()
-
-    def _candidates(self) -> list[dict]:
-        """Snapshots to try, newest first: the manifest's, or (without one) whatever files exist."""
-        entries = self._manifest()
-        if not entries:
-            names = [n for n in self.storage.list() if SNAPSHOT_RE.match(n) and n.endswith(".pt")]
-            entries = [{"file": n, "step": int(SNAPSHOT_RE.match(n).group(1))} for n in names]
-        return newest_first(entries)
-
-    def _read_checked(self, name: str, expected: dict | None) -> bytes:
-        data = self.storage.read(name)
-        if expected and len(data) != expected["bytes"]:
-            raise SnapshotError(
-                f"{name}: size {len(data)} bytes, manifest says {expected['bytes']}"
-            )
-        if expected and hashlib.sha256(data).hexdigest() != expected["sha256"]:
-            raise SnapshotError(f"{name}: checksum mismatch")
-        return data
-
-    def _open(self, entry: dict, map_location) -> OpenSnapshot:
-        layout = self.layouts.get(entry["kind"]) if "kind" in entry else None
-        if "kind" in entry and layout is None:
-            raise SnapshotError(
-                f"written by a parallel mode this version does not know ({entry['kind']})"
-            )
-        return open_entry(entry, layout, self._read_checked, map_location)
-
-    @contextlib.contextmanager
-    def open_latest(
-        self, map_location: str | torch.device = "cpu"
-    ) -> Iterator[OpenSnapshot | None]:
-        """The newest snapshot whose files all pass their size and checksum checks, or None.
-
-        Loading is two explicit steps: this reads the metadata (step, config, vocabulary...),
-        so the caller can refuse a snapshot of another model before any tensor is used; then
-        OpenSnapshot.tensors() loads the tensors. A damaged snapshot is skipped with a
-        warning, falling back to the one before.
-        """
-        candidates = self._candidates()
-        for entry in candidates:
-            try:
-                snapshot = self._open(entry, map_location)
-            except Exception as e:  # noqa: BLE001 - fall back to the previous snapshot
-                warn0(
-                    f"snapshot {self.url}/{entry['file']} is unusable ({type(e).__name__}: {e}); "
-                    "trying the previous one"
-                )
-                continue
-            self.last_committed = entry
-            try:
-                yield snapshot
-            finally:
-                snapshot.close()
-            return
-        if candidates:
-            warn0(f"no usable snapshot under {self.url}; starting fresh")
-        yield None
-
-    def load_latest(self, map_location: str | torch.device = "cpu") -> dict | None:
-        """The newest usable snapshot as one dict, metadata and full tensors (a sharded one consolidated)."""
-        with self.open_latest(map_location) as snapshot:
-            return None if snapshot is None else {**snapshot.meta, **snapshot.tensors()}
-
-    def consolidate(self, out_path: str) -> dict:
-        """Write the newest snapshot, sharded or not, as one single-file snapshot at out_path."""
-        state = self.load_latest()
-        if state is None:
-            raise SnapshotError(f"no snapshot under {self.url!r}")
-        with open(out_path, "wb") as f:
-            f.write(serialize(state))
-        return state
