@@ -227,7 +227,9 @@ def test_multirun_under_torchrun_is_refused_in_one_line(shakespeare, tmp_path):
 def test_ci_runs_the_test_command_the_readme_gives():
     readme, ci = (REPO / "README.md").read_text(), (REPO / ".ci" / "run").read_text()
     commands = readme.split("## Tests", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
-    assert commands == ['python3 -m pip install -q -e ".[test]"', "python3 -m pytest -q"]
+    assert commands == ['python3 -m pip install -q -e ".[test]"',
+                        "python3 -m ruff format --check . && python3 -m ruff check .",
+                        "python3 -m pytest -q"]
     ci_lines = [line.split("#")[0].strip() for line in ci.splitlines()]
     assert [ci_lines.index(command) for command in commands] == sorted(ci_lines.index(c) for c in commands)
 

@@ -87,3 +87,70 @@ def test_a_plain_install_adds_one_package_that_builds_the_schema_outside_the_che
     where, fields = result.stdout.splitlines()
     assert where.startswith(str(target))  # not the checkout's copy
     assert fields == str(["data_config", "deepspeed_config", "gpt_config", "optimizer_config", "trainer_config"])
+
+
+# --------------------------------------------------------------- one strategy per parallel mode
+def strategy_modules() -> dict[str, str]:
+    from mingpt_ddp.parallel.registry import STRATEGIES
+
+    return {mode: path.split(":")[0] for mode, path in STRATEGIES.items()}
+
+
+@pytest.mark.parametrize("file", ["trainer.py", "mingpt_ddp/snapshots/protocol.py"])
+def test_the_trainer_and_the_snapshot_protocol_never_ask_which_parallel_mode_runs(file):
+    """They import no strategy module and compare nothing with a mode's name: a new mode is a new
+    module and a line in the registry, not another branch here."""
+    tree = ast.parse((REPO / file).read_text())
+    imported = imports_of(REPO / file, project_modules())
+    modes, modules = set(strategy_modules()), set(strategy_modules().values())
+    assert not imported & modules, f"{file} imports {sorted(imported & modules)}"
+    assert "trainer" not in imported or file == "trainer.py"
+    # The mode's name is read once, to look its strategy up in the registry; nowhere else.
+    lookups = {id(call.args[0]) for call in ast.walk(tree) if isinstance(call, ast.Call)
+               and getattr(call.func, "id", "") == "build_strategy"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            names = {c.value for c in ast.walk(node) if isinstance(c, ast.Constant)}
+            assert not names & (modes | {"zero", "sharded"}), f"{file}:{node.lineno} compares a mode"
+        if isinstance(node, ast.Attribute) and node.attr in {"parallel", "zero", "sharded"}:
+            assert id(node) in lookups, f"{file}:{node.lineno} reads which mode runs"
+
+
+def test_every_registered_mode_implements_the_strategy_contract():
+    from mingpt_ddp.parallel.registry import STRATEGIES, _load, file_layouts
+    from mingpt_ddp.parallel.strategy import Strategy
+    from mingpt_ddp.snapshots.layout import FileLayout
+
+    contract = ["train_step", "grad_norm", "optimizer_state_bytes", "tensor_state",
+                "load_tensor_state"]  # (evaluate, describe, check_snapshot: the base's fit most)
+    for mode, path in STRATEGIES.items():
+        cls = _load(path)
+        assert issubclass(cls, Strategy), mode
+        missing = [m for m in contract if getattr(cls, m) is getattr(Strategy, m)]
+        assert not missing or mode == "deepspeed" and missing == ["tensor_state", "load_tensor_state"], \
+            (mode, missing)  # DeepSpeed's engine saves and loads its own files (write/read_tensors)
+        assert cls.layout is None or isinstance(cls.layout, FileLayout)
+    layouts = file_layouts()  # the store's rules for multi-file snapshots come from the strategies
+    assert {k: v.extension for k, v in layouts.items()} == {"sharded": "dcp", "deepspeed": "zero"}
+
+
+# ------------------------------------------------------------------------------ sizes
+def story_and_package_files():
+    return [REPO / f"{name}.py" for name in sorted(STORY)] + sorted((REPO / "mingpt_ddp").rglob("*.py"))
+
+
+def test_no_module_over_350_lines_no_function_over_40_and_no_line_over_100_columns():
+    problems = []
+    for path in story_and_package_files():
+        text = path.read_text()
+        name = path.relative_to(REPO)
+        if len(text.splitlines()) > 350:
+            problems.append(f"{name}: {len(text.splitlines())} lines")
+        problems += [f"{name}:{i}: {len(line)} columns" for i, line in enumerate(text.splitlines(), 1)
+                     if len(line) > 100]
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > 40:
+                    problems.append(f"{name}:{node.lineno}: {node.name} has {length} lines")
+    assert not problems, "\n".join(problems)

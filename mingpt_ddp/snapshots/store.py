@@ -52,7 +52,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from mingpt_ddp.errors import SnapshotError, SnapshotMismatch  # noqa: F401 - raised to the store's users
+from mingpt_ddp.errors import SnapshotError, SnapshotMismatch  # noqa: F401 - for its users
 from mingpt_ddp.runtime.distributed import all_gather_objects, print0, warn0
 from mingpt_ddp.snapshots.files import copy_to_cpu, fingerprint, serialize
 from mingpt_ddp.snapshots.layout import META, FileLayout
