@@ -201,7 +201,7 @@ def build_trainer(job, ctx: DistContext, store: SnapshotStore) -> Trainer:
     writes = ctx.is_main or trainer.strategy.layout is not None
     on_all_ranks(store.check_writable if writes else lambda: None)
     take_snapshot_path(store, tcfg.lease_ttl_s, ctx)
-    on_all_ranks(trainer.checkpointer.resume)
+    on_all_ranks(trainer.snapshots.resume)
     return trainer
 
 

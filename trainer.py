@@ -33,7 +33,7 @@ from mingpt_ddp.parallel.registry import build_strategy
 from mingpt_ddp.parallel.strategy import Batch, StrategyArgs
 from mingpt_ddp.runtime.distributed import ControlPlane, DistContext, print0
 from mingpt_ddp.runtime.signals import StopSignals
-from mingpt_ddp.snapshots.protocol import Checkpointer, Verdict
+from mingpt_ddp.snapshots.protocol import Snapshots, Verdict
 from mingpt_ddp.snapshots.store import SnapshotStore
 from mingpt_ddp.train_state import StartsTrace, TrainState
 from model import GPT
@@ -77,7 +77,7 @@ class Trainer:
         self.stops = StopSignals(c.collective_timeout_s)  # SIGTERM/SIGINT: step, snapshot, exit
         self.trace = StartsTrace(c.trace_samples_path, ctx.rank)  # which windows each step read
         # Resume, periodic saves, and what a failed save or a signal means (states: this Trainer).
-        self.checkpointer = Checkpointer(
+        self.snapshots = Snapshots(
             self, self.strategy, store, c, ctx.is_main, self.control, self.metrics
         )
 
@@ -227,11 +227,11 @@ class Trainer:
                 last = (
                     self._log(window, t_start, evaluate) or last
                 )  # True: the target loss was reached
-            vote = self.checkpointer.save_and_vote(last, self.stop_signal)
+            vote = self.snapshots.save_and_vote(last, self.stop_signal)
             if vote.verdict == Verdict.STOP:
                 progress.clear()
                 self.stops.received = vote.signal  # every rank stops for the signal some rank got
-                self.checkpointer.stop_for(vote.signal)
+                self.snapshots.stop_for(vote.signal)
                 return False
             if last:
                 break

@@ -78,7 +78,7 @@ def worker(args) -> None:
     loss.item()
     dt = (time.perf_counter() - t0) / args.steps
     t0 = time.perf_counter()
-    trainer.checkpointer.save(block=True)
+    trainer.snapshots.save(block=True)
     save_s = time.perf_counter() - t0
     per_rank = all_gather_objects(sum(mem.values()))
     if ctx.is_main:

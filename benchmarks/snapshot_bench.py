@@ -77,7 +77,7 @@ def timed_run(trainer: Trainer, steps: int, save_every: int) -> tuple[float, flo
     for step in range(1, steps + 1):
         trainer.train_step()
         if save_every and step % save_every == 0:
-            blocked += trainer.checkpointer.save()
+            blocked += trainer.snapshots.save()
     elapsed = time.perf_counter() - t0
     trainer.store.wait()
     return elapsed, blocked
@@ -88,7 +88,7 @@ def bench(dataset, name, shape, target, url, endpoint, steps, save_every, batch_
     base.train_step()  # warm-up, and optimizer state exists from here on
     step_s = timed_run(base, steps, 0)[0] / steps
     saves = steps // save_every
-    row = {"model": name, "params_M": round(base.raw_model.num_params() / 1e6, 2), "storage": target,
+    row = {"model": name, "params_M": round(base.num_params / 1e6, 2), "storage": target,
            "step_ms": round(1e3 * step_s, 1)}
     for mode in ("sync", "async"):
         trainer = make_trainer(dataset, shape, f"{url}/{mode}", mode == "async", endpoint, batch_size)

@@ -82,7 +82,7 @@ class Vote:
     signal: int = 0  # with STOP: the signal some rank received
 
 
-class Checkpointer:
+class Snapshots:
     """One run's snapshots: resume from the newest, save on schedule, vote on what a failure
     means."""
 
