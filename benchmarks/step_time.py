@@ -71,7 +71,7 @@ def our_step(batches: torch.Tensor, compile: bool):
     for block in model.blocks:
         block.attn.fp32_under_autocast = attention_fp32
     if compile:
-        model.compile()  # in place, the whole model: what parallel.wrap_model does with compile=true
+        model.compile()  # in place, the whole model: what Single.wrap (parallel/single.py) does with compile=true
     optimizers = build_optimizers(model, OptimizerConfig(learning_rate=1e-3), device.type)
     precision = lambda: torch.autocast("cpu", AMP_DTYPES[amp_dtype]) if use_amp else nullcontext()  # noqa: E731
 
