@@ -136,6 +136,9 @@ def test_every_registered_mode_implements_the_strategy_contract():
 
 
 # ------------------------------------------------------------------------------ sizes
+PRAGMA = r"\s*#" + r" noqa\b.*$"  # (written in two pieces, or ruff would read it as a pragma)
+
+
 def story_and_package_files():
     return [REPO / f"{name}.py" for name in sorted(STORY)] + sorted((REPO / "mingpt_ddp").rglob("*.py"))
 
@@ -148,7 +151,7 @@ def test_no_module_over_350_lines_no_function_over_40_and_no_line_over_100_colum
         if len(text.splitlines()) > 350:
             problems.append(f"{name}: {len(text.splitlines())} lines")
         # As ruff counts: a trailing pragma (# noqa: ...) is not part of the line's length.
-        lines = [re.sub(r"\s*# noqa\b.*$", "", line) for line in text.splitlines()]
+        lines = [re.sub(PRAGMA, "", line) for line in text.splitlines()]
         problems += [f"{name}:{i}: {len(line)} columns" for i, line in enumerate(lines, 1)
                      if len(line) > 100]
         for node in ast.walk(ast.parse(text)):
