@@ -50,7 +50,9 @@ def test_two_agents_meet_through_etcd_train_snapshot_and_resume(backend, etcd, s
 def test_an_elastic_job_on_etcd_loses_a_node_and_finishes(etcd, shakespeare, tmp_path):
     # 80 steps: the node is lost after the step-40 snapshot; the rest run at world size 1.
     args = tiny_overrides(shakespeare, tmp_path, max_steps=80, save_every=20, log_every=20)
-    elastic = ("--max-restarts=3", "--rdzv-conf=last_call_timeout=5,join_timeout=60")
+    # keep_alive_interval=1: the lost node's heartbeat is missed for 3 s (3 attempts), not 15 (the
+    # default 5 s x 3), before the survivor's new round may leave it out.
+    elastic = ("--max-restarts=3", "--rdzv-conf=last_call_timeout=5,join_timeout=60,keep_alive_interval=1")
     node0 = agent("etcd-v2", etcd.endpoint, "1:2", args, elastic)
     node1 = agent("etcd-v2", etcd.endpoint, "1:2", args, elastic)
     out = lose_a_node(node0, node1, after="snapshot | step 40")

@@ -58,7 +58,10 @@ def test_elastic_job_loses_a_node_and_finishes_at_the_smaller_world_size(shakesp
     endpoint = f"127.0.0.1:{free_port()}"
     # 80 steps: the node is lost after the step-40 snapshot; the rest run at world size 2.
     args = tiny_overrides(shakespeare, tmp_path, max_steps=80, save_every=20, log_every=20)
-    elastic = ("--max-restarts=3", "--monitor-interval=0.5", "--rdzv-conf=last_call_timeout=5,join_timeout=60")
+    # keep_alive_interval=1: the lost node's heartbeat is missed for 3 s (3 attempts), not 15 (the
+    # default 5 s x 3), before the survivor's new round may leave it out.
+    elastic = ("--max-restarts=3", "--monitor-interval=0.5",
+               "--rdzv-conf=last_call_timeout=5,join_timeout=60,keep_alive_interval=1")
     node0 = start_agent(agent_cmd(endpoint, "1:2", *args, extra=elastic))
     time.sleep(0.5)
     node1 = start_agent(agent_cmd(endpoint, "1:2", *args, extra=elastic))
