@@ -29,21 +29,35 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAIN = os.path.join(REPO, "main.py")
 
 # A model small enough that a real multi-process run takes seconds on 2 cores, as Hydra overrides.
-TINY_MODEL = {"gpt_config.n_layer": "2", "gpt_config.n_head": "2", "gpt_config.n_embd": "32",
-              "data_config.block_size": "32", "trainer_config.batch_size": "4", "trainer_config.eval_iters": "2"}
+TINY_MODEL = {
+    "gpt_config.n_layer": "2",
+    "gpt_config.n_head": "2",
+    "gpt_config.n_embd": "32",
+    "data_config.block_size": "32",
+    "trainer_config.batch_size": "4",
+    "trainer_config.eval_iters": "2",
+}
 # On the CPU even on a GPU machine: tests compare runs bit for bit (a resumed run against an
 # uninterrupted one), which holds on CPU, while several CUDA kernels (atomic adds in embedding
 # backward, among others) sum in a different order each run. In fp32: precision "auto" picks bf16
-# on CPUs with AVX-512 BF16 or AMX and fp32 on others, and runs are compared on whatever CPU runs them.
-TINY_RUN = {"trainer_config.sample_chars": "0", "trainer_config.device": "cpu", "trainer_config.use_amp": "false"}
+# on CPUs with AVX-512 BF16 or AMX and fp32 on others, and runs are compared on whatever CPU
+# runs them.
+TINY_RUN = {
+    "trainer_config.sample_chars": "0",
+    "trainer_config.device": "cpu",
+    "trainer_config.use_amp": "false",
+}
 TINY = [f"{k}={v}" for k, v in {**TINY_MODEL, **TINY_RUN}.items()]
 
 
 def tiny_overrides(data, run_dir, **trainer) -> list[str]:
     """Overrides for a tiny run of main.py on `data`, writing under run_dir (its snapshots/,
     metrics.jsonl and prepared/), with trainer_config settings given as keywords."""
-    args = TINY + [f"data_config.path={data}", f"data_config.cache_dir={os.path.join(run_dir, 'prepared')}",
-                   f"trainer_config.run_dir={run_dir}"]
+    args = TINY + [
+        f"data_config.path={data}",
+        f"data_config.cache_dir={os.path.join(run_dir, 'prepared')}",
+        f"trainer_config.run_dir={run_dir}",
+    ]
     return args + [f"trainer_config.{k}={v}" for k, v in trainer.items()]
 
 
@@ -53,8 +67,11 @@ def tiny_gpt(vocab_size: int = 11, block_size: int = 8, **switches):
     from model import GPT, GPTConfig
 
     torch.manual_seed(0)
-    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=vocab_size, block_size=block_size,
-                         **switches))
+    return GPT(
+        GPTConfig(
+            n_layer=2, n_head=2, n_embd=16, vocab_size=vocab_size, block_size=block_size, **switches
+        )
+    )
 
 
 def free_port() -> int:
@@ -64,8 +81,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def main_command(nproc: int, overrides: list[str], torchrun_flags: tuple[str, ...] = (),
-                 script: str = MAIN, torchrun: bool | None = None) -> list[str]:
+def main_command(
+    nproc: int,
+    overrides: list[str],
+    torchrun_flags: tuple[str, ...] = (),
+    script: str = MAIN,
+    torchrun: bool | None = None,
+) -> list[str]:
     """`python SCRIPT OVERRIDES` for one plain process, or `torchrun --standalone --nproc_per_node=N
     --master_port P FLAGS SCRIPT OVERRIDES` (torchrun as `python -m torch.distributed.run`, the same
     program). torchrun defaults to nproc > 1 or any flags; a port of its own per job, so that jobs
@@ -74,45 +96,93 @@ def main_command(nproc: int, overrides: list[str], torchrun_flags: tuple[str, ..
         torchrun = nproc > 1 or bool(torchrun_flags)
     if not torchrun:
         return [sys.executable, str(script), *overrides]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "--master_port", str(free_port()), *torchrun_flags, str(script), *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "--master_port",
+        str(free_port()),
+        *torchrun_flags,
+        str(script),
+        *overrides,
+    ]
 
 
 def job_env(extra: dict | None = None) -> dict:
-    """This process's environment for a child: its output unbuffered (read line by line as it comes),
-    and this checkout first on its import path, so that `python -m mingpt_ddp...` run from any
-    directory uses the code beside this file, whatever copy an editable install points at."""
+    """This process's environment for a child: its output unbuffered (read line by line as it
+    comes), and this checkout first on its import path, so that `python -m mingpt_ddp...` run
+    from any directory uses the code beside this file, whatever copy an editable install points
+    at."""
     path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
     return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, **(extra or {})}
 
 
 def start(cmd: list[str], env: dict | None = None, cwd=REPO) -> subprocess.Popen:
     """Start cmd with stdout and stderr together in one text pipe (wait_for_line reads it)."""
-    return subprocess.Popen([str(c) for c in cmd], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=job_env(env))
+    return subprocess.Popen(
+        [str(c) for c in cmd],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=job_env(env),
+    )
 
 
-def run(cmd: list[str], env: dict | None = None, cwd=REPO, timeout: float = 240) -> subprocess.CompletedProcess:
+def run(
+    cmd: list[str], env: dict | None = None, cwd=REPO, timeout: float = 240
+) -> subprocess.CompletedProcess:
     """Run cmd to the end, its stdout and stderr captured apart."""
-    return subprocess.run([str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env=job_env(env))
+    return subprocess.run(
+        [str(c) for c in cmd],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=job_env(env),
+    )
 
 
-def run_main(args: list[str], nproc: int = 0, timeout: float = 240, cwd=REPO, env: dict | None = None,
-             script: str = MAIN) -> subprocess.CompletedProcess:
-    """Run main.py (or a stand-in script) in one process (nproc=0) or under torchrun with nproc ranks."""
-    return run(main_command(nproc, args, script=script, torchrun=nproc > 0), env=env, cwd=cwd, timeout=timeout)
+def run_main(
+    args: list[str],
+    nproc: int = 0,
+    timeout: float = 240,
+    cwd=REPO,
+    env: dict | None = None,
+    script: str = MAIN,
+) -> subprocess.CompletedProcess:
+    """Run main.py (or a stand-in script) in one process (nproc=0) or under torchrun with nproc
+    ranks."""
+    return run(
+        main_command(nproc, args, script=script, torchrun=nproc > 0),
+        env=env,
+        cwd=cwd,
+        timeout=timeout,
+    )
 
 
-def sweep(args: list[str], sweep_dir, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python main.py --multirun ARGS` with its jobs under sweep_dir; returns the finished process."""
-    return run([sys.executable, MAIN, "--multirun", f"hydra.sweep.dir={sweep_dir}", *args], env=env, timeout=timeout)
+def sweep(
+    args: list[str], sweep_dir, env: dict | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """`python main.py --multirun ARGS` with its jobs under sweep_dir; returns the finished
+    process."""
+    return run(
+        [sys.executable, MAIN, "--multirun", f"hydra.sweep.dir={sweep_dir}", *args],
+        env=env,
+        timeout=timeout,
+    )
 
 
 def sweep_overrides(data, root, **trainer) -> list[str]:
     """tiny_overrides for a sweep: each job writes in its own directory, so no run_dir; the
     prepared corpus under root, shared by the jobs."""
-    return [a for a in tiny_overrides(data, root, **trainer) if not a.startswith("trainer_config.run_dir=")]
+    return [
+        a
+        for a in tiny_overrides(data, root, **trainer)
+        if not a.startswith("trainer_config.run_dir=")
+    ]
 
 
 def sweep_jobs(sweep_dir) -> dict:
@@ -120,13 +190,21 @@ def sweep_jobs(sweep_dir) -> dict:
     import json
     from pathlib import Path
 
-    return {p.parent: [json.loads(line) for line in p.read_text().splitlines()]
-            for p in sorted(Path(sweep_dir).glob("*/metrics.jsonl"))}
+    return {
+        p.parent: [json.loads(line) for line in p.read_text().splitlines()]
+        for p in sorted(Path(sweep_dir).glob("*/metrics.jsonl"))
+    }
 
 
-def start_main(args: list[str], nproc: int = 0, env: dict | None = None, script: str = MAIN,
-               torchrun_flags: tuple[str, ...] = ()) -> subprocess.Popen:
-    """Start main.py (or a stand-in script) like run_main, without waiting: its output in one pipe."""
+def start_main(
+    args: list[str],
+    nproc: int = 0,
+    env: dict | None = None,
+    script: str = MAIN,
+    torchrun_flags: tuple[str, ...] = (),
+) -> subprocess.Popen:
+    """Start main.py (or a stand-in script) like run_main, without waiting: its output in one
+    pipe."""
     return start(main_command(nproc, args, torchrun_flags, script, torchrun=nproc > 0), env=env)
 
 
@@ -207,8 +285,12 @@ class MotoServer:
             raise Unavailable("moto_server not installed (pip install 'moto[server]')")
         self.port = free_port()
         env = {**os.environ, **({"INITIAL_NO_AUTH_ACTION_COUNT": "0"} if require_auth else {})}
-        self.proc = subprocess.Popen(["moto_server", "-H", "127.0.0.1", "-p", str(self.port)], env=env,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            ["moto_server", "-H", "127.0.0.1", "-p", str(self.port)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # ready when it accepts connections
@@ -223,8 +305,13 @@ class MotoServer:
     def client(self, endpoint: str | None = None):
         import boto3
 
-        return boto3.client("s3", endpoint_url=endpoint or self.url, aws_access_key_id="testing",
-                            aws_secret_access_key="testing", region_name="us-east-1")
+        return boto3.client(
+            "s3",
+            endpoint_url=endpoint or self.url,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+        )
 
     def stop(self) -> None:
         self.proc.kill()
@@ -233,17 +320,28 @@ class MotoServer:
 
 def hardware() -> dict:
     """The device this process computes on, in words: the GPU's name, or the CPU's model with the
-    instruction sets that decide its speed here (AVX-512, native bf16: AVX-512 BF16 and AMX). Like every
-    script here, its caller has put REPO on sys.path."""
+    instruction sets that decide its speed here (AVX-512, native bf16: AVX-512 BF16 and AMX). Like
+    every script here, its caller has put REPO on sys.path."""
     import torch
     from mingpt_ddp.parallel.plan import cpu_flags
 
     if torch.cuda.is_available():
-        return {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "torch": torch.__version__}
+        return {
+            "device": torch.cuda.get_device_name(0),
+            "gpus": torch.cuda.device_count(),
+            "torch": torch.__version__,
+        }
     model, flags = platform.processor(), cpu_flags()
     if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+            model = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                model,
+            )
     extras = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"device": f"{model} ({', '.join(extras) or 'no AVX-512'})", "cores": cores, "torch": torch.__version__}
+    return {
+        "device": f"{model} ({', '.join(extras) or 'no AVX-512'})",
+        "cores": cores,
+        "torch": torch.__version__,
+    }

@@ -50,32 +50,57 @@ from benchmarks.common import (  # noqa: E402 - needs REPO on sys.path first
     worker_pid,
 )
 
-__all__ = ["MAIN", "REPO", "TINY", "TINY_MODEL", "descendants", "free_port", "job_env", "kill_tree", "lose_a_node",
-           "main_command", "run", "run_main", "start", "start_main", "sweep", "sweep_jobs", "sweep_overrides", "tiny_gpt", "tiny_overrides",
-           "wait_for_line", "worker_pid"]
+__all__ = [
+    "MAIN",
+    "REPO",
+    "TINY",
+    "TINY_MODEL",
+    "descendants",
+    "free_port",
+    "job_env",
+    "kill_tree",
+    "lose_a_node",
+    "main_command",
+    "run",
+    "run_main",
+    "start",
+    "start_main",
+    "sweep",
+    "sweep_jobs",
+    "sweep_overrides",
+    "tiny_gpt",
+    "tiny_overrides",
+    "wait_for_line",
+    "worker_pid",
+]
 
 # Fixtures that start a server process: a test using one is slow.
 SERVER_FIXTURES = {"s3", "bucket"}
-# Tests that start processes in files whose owners mark them elsewhere (test name, without parameters).
+# Process tests in files owned by others, who have not marked them (test names, without parameters).
 PROCESS_TESTS = {
-    "test_devices.py": {"test_the_job_line_says_which_precision_auto_picked_and_why",
-                        "test_keeping_freed_memory_stops_each_step_page_faulting_its_tensors_back",
-                        "test_the_job_line_says_the_allocator_setting_and_false_leaves_glibc_alone"},
+    "test_devices.py": {
+        "test_the_job_line_says_which_precision_auto_picked_and_why",
+        "test_keeping_freed_memory_stops_each_step_page_faulting_its_tensors_back",
+        "test_the_job_line_says_the_allocator_setting_and_false_leaves_glibc_alone",
+    },
 }
 
 
 def pytest_collection_modifyitems(items):
     for item in items:
         name = getattr(item, "originalname", item.name)
-        if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())) or \
-                name in PROCESS_TESTS.get(item.path.name, ()):
+        if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())) or name in PROCESS_TESTS.get(
+            item.path.name, ()
+        ):
             item.add_marker(pytest.mark.slow)
 
 
 def _find_shakespeare() -> Path | None:
-    for candidate in (os.environ.get("TINYSHAKESPEARE_PATH"),
-                      REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt",
-                      REPO / "data" / "tinyshakespeare" / "input.txt"):
+    for candidate in (
+        os.environ.get("TINYSHAKESPEARE_PATH"),
+        REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt",
+        REPO / "data" / "tinyshakespeare" / "input.txt",
+    ):
         if candidate and Path(candidate).is_file():
             return Path(candidate)
     return None
@@ -85,7 +110,10 @@ def _find_shakespeare() -> Path | None:
 def shakespeare() -> Path:
     path = _find_shakespeare()
     if path is None:
-        pytest.skip("tiny Shakespeare not found: set TINYSHAKESPEARE_PATH or run python data/fetch_shakespeare.py")
+        pytest.skip(
+            "tiny Shakespeare not found: set TINYSHAKESPEARE_PATH or run "
+            "python data/fetch_shakespeare.py"
+        )
     return path
 
 
@@ -94,8 +122,12 @@ def ddp_reference(shakespeare, tmp_path_factory):
     """The uninterrupted reference run that resumed, async-saving and reducing-another-way runs are
     compared with (test_training_runs.py, test_resume.py): 30 steps at world size 2, saved and
     evaluated every 10, logged every step, with dropout (random numbers the RNG state must carry
-    over a resume). Returns (the run: run_dir, stdout), its trainer settings, its extra overrides."""
-    settings, extra = dict(max_steps=30, save_every=10, log_every=1, eval_every=10), ["gpt_config.dropout=0.1"]
+    over a resume). Returns (the run: run_dir, stdout), its trainer settings and its extra
+    overrides."""
+    settings, extra = (
+        dict(max_steps=30, save_every=10, log_every=1, eval_every=10),
+        ["gpt_config.dropout=0.1"],
+    )
     run_dir = tmp_path_factory.mktemp("ddp-reference")
     result = run_main(tiny_overrides(shakespeare, run_dir, **settings) + extra, nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -103,8 +135,8 @@ def ddp_reference(shakespeare, tmp_path_factory):
 
 
 def lose_a_node(survivor, lost, after: str) -> str:
-    """Once the survivor agent prints `after`, SIGKILL the other agent and its workers (a node losing
-    power); returns the survivor's whole output when it exits."""
+    """Once the survivor agent prints `after`, SIGKILL the other agent and its workers (a node
+    losing power); returns the survivor's whole output when it exits."""
     lines = wait_for_line(survivor, after, timeout=120)
     kill_tree(lost)
     rest, _ = survivor.communicate(timeout=240)
@@ -134,7 +166,9 @@ def bucket(s3, request, monkeypatch):
     for key, value in CREDENTIALS.items():
         monkeypatch.setenv(key, value)
     # The server outlives the module: a number keeps two tests' names from meeting in one bucket.
-    name = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower())[:40].strip("-") + f"-{next(_buckets)}"
+    name = (
+        re.sub(r"[^a-z0-9]+", "-", request.node.name.lower())[:40].strip("-") + f"-{next(_buckets)}"
+    )
     s3.client().create_bucket(Bucket=name)
     return name
 
