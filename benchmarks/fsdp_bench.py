@@ -94,11 +94,12 @@ def driver(args) -> int:
     rows = []
     for name, world, parallel, amp, shape, steps in (SMOKE if args.smoke else FULL):
         with tempfile.TemporaryDirectory() as tmp:
-            worker_args = ["--worker", "--data", args.data, "--parallel", parallel, "--shape", json.dumps(shape),
-                           "--steps", str(steps), "--snapshots", os.path.join(tmp, "snaps")] + (["--amp"] if amp else [])
-            cmd = main_command(world, worker_args, script=os.path.abspath(__file__), torchrun=True)
-            out = run(cmd, env={"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world))}, cwd=None,
-                      timeout=None)
+            worker = ["--worker", "--data", args.data, "--parallel", parallel,
+                      "--shape", json.dumps(shape), "--steps", str(steps),
+                      "--snapshots", os.path.join(tmp, "snaps")] + (["--amp"] if amp else [])
+            cmd = main_command(world, worker, script=os.path.abspath(__file__), torchrun=True)
+            threads = str(max(1, (os.cpu_count() or 1) // world))
+            out = run(cmd, env={"OMP_NUM_THREADS": threads}, cwd=None, timeout=None)
             lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
             if out.returncode != 0 or not lines:
                 print(out.stdout[-2000:], out.stderr[-3000:], file=sys.stderr)
