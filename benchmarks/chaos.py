@@ -19,27 +19,11 @@ import random
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-from common import REPO, free_port, main_command
-
-
-def worker_with_rank(parent: int, rank: int) -> int | None:
-    """The pid of the worker with RANK=rank among parent's children (torchrun's workers)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
-            environ = open(f"/proc/{entry}/environ", "rb").read().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == parent and f"RANK={rank}".encode() in environ:
-            return int(entry)
-    return None
+from common import main_command, start, worker_pid
 
 
 def trial(i: int, rng: random.Random, args, run_dir: str) -> dict:
@@ -50,10 +34,7 @@ def trial(i: int, rng: random.Random, args, run_dir: str) -> dict:
                  "trainer_config.log_every=1", "trainer_config.eval_every=100000", "trainer_config.sample_chars=0",
                  "trainer_config.eval_iters=1", f"trainer_config.snapshot_path={run_dir}/snapshots",
                  f"trainer_config.metrics_path={run_dir}/metrics.jsonl"]
-    cmd = main_command(args.nproc, overrides,
-                       ("--max-restarts=3", "--monitor-interval=0.5", "--master_port", str(free_port())))
-    job = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    job = start(main_command(args.nproc, overrides, ("--max-restarts=3", "--monitor-interval=0.5")))
     killed_at, last_step_before, recovered_at, resumed_from, finished_step = None, 0, None, None, None
     last_snapshot = 0  # newest snapshot committed before the kill
     for line in job.stdout:
@@ -62,7 +43,7 @@ def trial(i: int, rng: random.Random, args, run_dir: str) -> dict:
         if step and killed_at is None:
             last_step_before = int(step.group(1))
             if last_step_before >= kill_step:
-                pid = worker_with_rank(job.pid, kill_rank)
+                pid = worker_pid(job.pid, kill_rank)
                 if pid:
                     os.kill(pid, signal.SIGKILL)
                     killed_at = time.monotonic()

@@ -21,12 +21,11 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
 
-from common import REPO, free_port, hardware
+from common import REPO, free_port, hardware, main_command, run
 
 sys.path.insert(0, REPO)
 
@@ -66,7 +65,7 @@ def command(launcher: str, nproc: int, args: list[str]) -> tuple[list[str], dict
     if launcher == "python":
         return [py, main_py, *args], {}
     if launcher == "torchrun":
-        return [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", main_py, *args], {}
+        return main_command(nproc, args, torchrun=True), {}
     if launcher == "spawn":
         return [py, os.path.join(REPO, "tutorials", "spawn_launch.py"), "--nproc", str(nproc), *args], {}
     if launcher == "deepspeed":  # --no_local_rank: main.py reads LOCAL_RANK from the environment
@@ -95,7 +94,7 @@ def run_row(row: tuple, nproc: int, workload: tuple, data: str, device: str, wor
             f"trainer_config.save_every={steps}", f"trainer_config.run_dir={run_dir}"]
     cmd, env = command(launcher, nproc, args)
     t0 = time.perf_counter()
-    result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, **env})
+    result = run(cmd, env=env, timeout=None)
     wall = time.perf_counter() - t0
     done = re.search(r"done \| step (\d+) .*peak memory per rank (\d+) MiB host(?:, (\d+) MiB GPU)?", result.stdout)
     if result.returncode != 0 or not done:

@@ -35,7 +35,7 @@ import tempfile
 import threading
 import time
 
-from common import REPO, main_command
+from common import REPO, TINY_MODEL, main_command, start
 
 sys.path.insert(0, REPO)
 
@@ -108,8 +108,7 @@ def train(corpus: str, cache: str, run_dir: str, nproc: int, steps: int, model: 
                  f"trainer_config.max_steps={steps}", "trainer_config.log_every=1", f"trainer_config.eval_every={steps}",
                  f"trainer_config.save_every={steps}", "trainer_config.sample_chars=0", *model]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(main_command(nproc, overrides), cwd=run_dir, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = start(main_command(nproc, overrides), cwd=run_dir)
     lines, first_step = [], []
 
     def read_output() -> None:  # a thread, so that sampling memory never waits for output
@@ -182,8 +181,7 @@ def main() -> int:
     if args.smoke:
         corpora = [("ascii", 1_000_000), ("ascii", 3_000_000), ("cjk", 1_000_000)]
         nproc, steps = 2, 6
-        model = ["gpt_config.n_layer=1", "gpt_config.n_head=2", "gpt_config.n_embd=32", "data_config.block_size=32",
-                 "trainer_config.batch_size=4", "trainer_config.eval_iters=2"]
+        model = [f"{k}={v}" for k, v in TINY_MODEL.items()]  # the tests' tiny model
     else:
         corpora = [("ascii", 1_000_000), ("ascii", 100_000_000), ("ascii", 1_000_000_000), ("cjk", 100_000_000)]
         nproc, steps, model = args.nproc, args.steps, []

@@ -13,12 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
-from common import REPO, free_port
+from common import REPO, main_command, run
 
 sys.path.insert(0, REPO)
 
@@ -96,12 +95,12 @@ def driver(args) -> int:
     rows = []
     for name, world, parallel, amp, shape, steps in (SMOKE if args.smoke else FULL):
         with tempfile.TemporaryDirectory() as tmp:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-                   "--master_port", str(free_port()), os.path.abspath(__file__), "--worker", "--data", args.data,
-                   "--parallel", parallel, "--shape", json.dumps(shape), "--steps", str(steps),
-                   "--snapshots", os.path.join(tmp, "snaps")] + (["--amp"] if amp else [])
-            out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(
-                max(1, (os.cpu_count() or 1) // world))})
+            worker = ["--worker", "--data", args.data, "--parallel", parallel,
+                      "--shape", json.dumps(shape), "--steps", str(steps),
+                      "--snapshots", os.path.join(tmp, "snaps")] + (["--amp"] if amp else [])
+            cmd = main_command(world, worker, script=os.path.abspath(__file__), torchrun=True)
+            threads = str(max(1, (os.cpu_count() or 1) // world))
+            out = run(cmd, env={"OMP_NUM_THREADS": threads}, cwd=None, timeout=None)
             lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
             if out.returncode != 0 or not lines:
                 print(out.stdout[-2000:], out.stderr[-3000:], file=sys.stderr)

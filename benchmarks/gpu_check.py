@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 
-from common import REPO, main_command
+from common import REPO, job_env, main_command
 
 sys.path.insert(0, REPO)
 
@@ -72,7 +72,7 @@ class Matrix:
 
     def run(self, cmd: list[str], env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
         return subprocess.run(cmd, cwd=self.work, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+                              env=job_env(env))
 
     def train_and_resume(self, name: str, nproc: int, extra: list[str], steps: int = 60) -> str:
         """Train `steps`, snapshot, then resume to 1.5x steps; pass if both runs succeed and the second resumed."""

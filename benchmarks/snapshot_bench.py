@@ -18,13 +18,11 @@ import argparse
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 
-from common import REPO, free_port
+from common import REPO, MotoServer
 
 sys.path.insert(0, REPO)
 
@@ -42,19 +40,6 @@ MODELS = {  # name: (n_layer, n_head, n_embd)
     "default (4x128)": (4, 4, 128),
     "25M (8x512)": (8, 8, 512),
 }
-
-
-def start_moto() -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen(["moto_server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(300):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc, f"http://127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError("moto_server did not start")
 
 
 def make_trainer(dataset: CharDataset, shape: tuple[int, int, int], url: str, async_save: bool,
@@ -129,7 +114,8 @@ def main() -> int:
             os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
             os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
             os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-            moto, endpoint = start_moto()
+            moto = MotoServer()  # the tests' S3 server, on a free loopback port
+            endpoint = moto.url
             import boto3
             boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=args.s3_bucket)
         targets["S3 (" + endpoint + ")"] = f"s3://{args.s3_bucket}/bench"
@@ -142,7 +128,7 @@ def main() -> int:
     finally:
         shutil.rmtree(local_dir, ignore_errors=True)
         if moto is not None:
-            moto.kill()
+            moto.stop()
     cols = ["model", "params_M", "storage", "size_MB", "save_s", "load_s", "step_ms", "sync_stall_ms",
             "async_blocked_ms", "async_stall_ms", "async_stall_steps"]
     print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))

@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 
-from common import REPO, hardware, main_command
+from common import REPO, hardware, job_env, main_command, run
 
 sys.path.insert(0, REPO)
 
@@ -97,9 +97,9 @@ def run_ours(overrides: list[str], data: str, target: float, nproc: int = 1, ind
             f"trainer_config.target_val_loss={target}", "trainer_config.sample_chars=0", "trainer_config.log_every=10",
             "trainer_config.save_every=100000", f"parallel={'none' if nproc == 1 else 'ddp'}",
             f"trainer_config.run_dir={run_dir}"])
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": inductor_cache or os.path.join(run_dir, "inductor-cache")}
+        env = {"TORCHINDUCTOR_CACHE_DIR": inductor_cache or os.path.join(run_dir, "inductor-cache")}
         t0, faults = time.perf_counter(), child_page_faults()
-        result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env)
+        result = run(command, env=env, timeout=None)
         wall, faults = time.perf_counter() - t0, child_page_faults() - faults
         if result.returncode != 0:
             sys.exit(f"error: training failed (exit {result.returncode}):\n{result.stderr[-2000:]}")
@@ -144,7 +144,7 @@ def run_nanogpt(checkout: str, data: str, target: float, max_iters: int = 2000, 
         t0, faults = time.perf_counter(), child_page_faults()
         result = subprocess.run([sys.executable, "train.py", *NANOGPT_ARGS, f"--max_iters={max_iters}",
                                  f"--out_dir={tmp}/out"], cwd=work, capture_output=True, text=True,
-                                env={**os.environ, **(env or {})})
+                                env=job_env(env))
         wall, faults = time.perf_counter() - t0, child_page_faults() - faults
     if result.returncode != 0:
         sys.exit(f"error: nanoGPT's train.py failed (exit {result.returncode}):\n{result.stderr[-2000:]}")

@@ -1,25 +1,106 @@
-"""Shared test fixtures: where the corpus is, tiny run settings, and helpers to run main.py for real."""
+"""Shared test fixtures: where the corpus is, the slow marker, and the servers a module shares.
+
+The helpers that start and watch real processes (main.py, torchrun, free ports, tiny run settings,
+killing a process tree) are benchmarks/common.py's, shared with the benchmark scripts; they are
+re-exported here so that a test can still write `from conftest import run_main`.
+
+What is slow: every test that starts a process of its own (a Python interpreter: main.py,
+torchrun, a script, pip) or a server (moto_server, etcd, SLURM's daemons); `pytest -m "not slow"`
+runs the rest, in process, in well under a minute. Test files mark themselves; a test that uses
+a server fixture (s3, bucket, etcd) is marked here, and so are the process tests of files that
+others own (PROCESS_TESTS). Cheap shell tools (bash -n, git ls-files, mount) do not count.
+"""
 
 from __future__ import annotations
 
+import itertools
 import os
+import re
 import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.common import (  # noqa: E402 - needs REPO on sys.path first
+    MAIN,
+    TINY,
+    TINY_MODEL,
+    MotoServer,
+    Unavailable,
+    descendants,
+    free_port,
+    job_env,
+    kill_tree,
+    main_command,
+    run,
+    run_main,
+    start,
+    start_main,
+    sweep,
+    sweep_jobs,
+    sweep_overrides,
+    tiny_gpt,
+    tiny_overrides,
+    wait_for_line,
+    worker_pid,
+)
+
+__all__ = [
+    "MAIN",
+    "REPO",
+    "TINY",
+    "TINY_MODEL",
+    "descendants",
+    "free_port",
+    "job_env",
+    "kill_tree",
+    "lose_a_node",
+    "main_command",
+    "run",
+    "run_main",
+    "start",
+    "start_main",
+    "sweep",
+    "sweep_jobs",
+    "sweep_overrides",
+    "tiny_gpt",
+    "tiny_overrides",
+    "wait_for_line",
+    "worker_pid",
+]
+
+# Fixtures that start a server process: a test using one is slow.
+SERVER_FIXTURES = {"s3", "bucket"}
+# Process tests in files owned by others, who have not marked them (test names, without parameters).
+PROCESS_TESTS = {
+    "test_devices.py": {
+        "test_the_job_line_says_which_precision_auto_picked_and_why",
+        "test_keeping_freed_memory_stops_each_step_page_faulting_its_tensors_back",
+        "test_the_job_line_says_the_allocator_setting_and_false_leaves_glibc_alone",
+    },
+}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        name = getattr(item, "originalname", item.name)
+        if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())) or name in PROCESS_TESTS.get(
+            item.path.name, ()
+        ):
+            item.add_marker(pytest.mark.slow)
+
 
 def _find_shakespeare() -> Path | None:
-    for candidate in (os.environ.get("TINYSHAKESPEARE_PATH"),
-                      REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt",
-                      REPO / "data" / "tinyshakespeare" / "input.txt"):
+    for candidate in (
+        os.environ.get("TINYSHAKESPEARE_PATH"),
+        REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt",
+        REPO / "data" / "tinyshakespeare" / "input.txt",
+    ):
         if candidate and Path(candidate).is_file():
             return Path(candidate)
     return None
@@ -29,105 +110,52 @@ def _find_shakespeare() -> Path | None:
 def shakespeare() -> Path:
     path = _find_shakespeare()
     if path is None:
-        pytest.skip("tiny Shakespeare not found: set TINYSHAKESPEARE_PATH or run python data/fetch_shakespeare.py")
+        pytest.skip(
+            "tiny Shakespeare not found: set TINYSHAKESPEARE_PATH or run "
+            "python data/fetch_shakespeare.py"
+        )
     return path
 
 
-# A model small enough that a real multi-process run takes seconds on 2 cores. On the CPU even
-# on a GPU machine: these tests compare runs bit for bit (a resumed run against an uninterrupted
-# one), which holds on CPU, while several CUDA kernels (atomic adds in embedding backward, among
-# others) sum in a different order each run. The CUDA paths have their own tests (test_cuda.py).
-# In fp32: precision "auto" would pick bf16 on CPUs with AVX-512 BF16 or AMX and fp32 on others, and
-# these tests compare numbers across runs on whatever CPU runs them (auto has its own tests).
-TINY = ["gpt_config.n_layer=2", "gpt_config.n_head=2", "gpt_config.n_embd=32", "data_config.block_size=32",
-        "trainer_config.batch_size=4", "trainer_config.eval_iters=2", "trainer_config.sample_chars=0",
-        "trainer_config.device=cpu", "trainer_config.use_amp=false"]
+@pytest.fixture(scope="session")
+def ddp_reference(shakespeare, tmp_path_factory):
+    """The uninterrupted reference run that resumed, async-saving and reducing-another-way runs are
+    compared with (test_training_runs.py, test_resume.py): 30 steps at world size 2, saved and
+    evaluated every 10, logged every step, with dropout (random numbers the RNG state must carry
+    over a resume). Returns (the run: run_dir, stdout), its trainer settings and its extra
+    overrides."""
+    settings, extra = (
+        dict(max_steps=30, save_every=10, log_every=1, eval_every=10),
+        ["gpt_config.dropout=0.1"],
+    )
+    run_dir = tmp_path_factory.mktemp("ddp-reference")
+    result = run_main(tiny_overrides(shakespeare, run_dir, **settings) + extra, nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return SimpleNamespace(run_dir=run_dir, stdout=result.stdout), settings, extra
 
 
-def tiny_overrides(data: Path, run_dir: Path, **trainer) -> list[str]:
-    """Hydra overrides for a tiny run writing under run_dir (its snapshots/, metrics.jsonl, prepared/)."""
-    args = TINY + [f"data_config.path={data}", f"data_config.cache_dir={run_dir / 'prepared'}",
-                   f"trainer_config.run_dir={run_dir}"]  # snapshots/ and metrics.jsonl go under it
-    return args + [f"trainer_config.{k}={v}" for k, v in trainer.items()]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun_cmd(nproc: int, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "--master_port", str(free_port()), str(REPO / "main.py"), *args]
-
-
-def run_main(args: list[str], nproc: int = 0, timeout: float = 240, cwd: Path = REPO,
-             env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run main.py in one process (nproc=0) or under torchrun; returns the finished process."""
-    cmd = torchrun_cmd(nproc, *args) if nproc else [sys.executable, str(REPO / "main.py"), *args]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env)
-
-
-def descendants(pid: int) -> list[int]:
-    """All live descendants of pid, read from /proc (torchrun puts workers in their own sessions)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL a launcher and every process under it: a power cut, as far as the job can tell."""
-    for pid in [proc.pid, *descendants(proc.pid)]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait(timeout=30)
-
-
-def lose_a_node(survivor: subprocess.Popen, lost: subprocess.Popen, after: str) -> str:
-    """Once the survivor agent prints `after`, SIGKILL the other agent and its workers (a node losing
-    power); returns the survivor's whole output when it exits."""
+def lose_a_node(survivor, lost, after: str) -> str:
+    """Once the survivor agent prints `after`, SIGKILL the other agent and its workers (a node
+    losing power); returns the survivor's whole output when it exits."""
     lines = wait_for_line(survivor, after, timeout=120)
     kill_tree(lost)
     rest, _ = survivor.communicate(timeout=240)
     return "".join(lines) + rest
 
 
-def wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 180) -> list[str]:
-    """Read proc's stdout until a line contains needle; returns the lines read."""
-    lines, deadline = [], time.monotonic() + timeout
-    for line in proc.stdout:
-        lines.append(line)
-        if needle in line:
-            return lines
-        if time.monotonic() > deadline:
-            break
-    raise AssertionError(f"{needle!r} not seen; output:\n{''.join(lines)}")
-
-
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def s3():
-    """A real S3-compatible server (moto_server) on loopback, shared by a test module."""
-    from s3_server import MotoServer
-
-    server = MotoServer()
+    """A real S3-compatible server (moto_server) on loopback, shared by the whole session (each
+    test gets its own bucket)."""
+    try:
+        server = MotoServer()
+    except Unavailable as e:
+        pytest.skip(str(e))
     yield server
     server.stop()
+
+
+_buckets = itertools.count()
 
 
 @pytest.fixture
@@ -137,7 +165,10 @@ def bucket(s3, request, monkeypatch):
 
     for key, value in CREDENTIALS.items():
         monkeypatch.setenv(key, value)
-    name = request.node.name.replace("_", "-")[:50].lower().strip("-")
+    # The server outlives the module: a number keeps two tests' names from meeting in one bucket.
+    name = (
+        re.sub(r"[^a-z0-9]+", "-", request.node.name.lower())[:40].strip("-") + f"-{next(_buckets)}"
+    )
     s3.client().create_bucket(Bucket=name)
     return name
 
@@ -146,7 +177,7 @@ def bucket(s3, request, monkeypatch):
 def no_stray_processes():
     """After each test, kill what it left running (a job that timed out, a killed launcher's
     workers), so one failure cannot leave processes competing with the rest of the suite.
-    Servers shared by a module's tests (moto_server) are left to their fixtures."""
+    Servers shared by several tests (moto_server) are left to their fixtures."""
     yield
     for pid in descendants(os.getpid()):
         try:

@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from conftest import free_port
+from benchmarks.common import free_port
 from mingpt_ddp.runtime.etcd_check import etcd_v2_problem
 
 

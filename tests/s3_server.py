@@ -1,54 +1,19 @@
-"""Test helpers for S3: a real moto_server on loopback, and a TCP proxy that can cut the line.
+"""Test helpers for S3: proxies in front of the real moto_server that cut or throttle the line.
 
-moto_server is an S3-compatible HTTP server; the code under test talks to it with
-boto3 over real sockets, exactly as it would to AWS or MinIO. The proxy sits
-between them so a test can make the network fail in the middle of an upload.
+moto_server is an S3-compatible HTTP server (benchmarks/common.py's MotoServer starts it; the
+conftest's s3 fixture shares one per session); the code under test talks to it with boto3 over
+real sockets, exactly as it would to AWS or MinIO. The proxies sit between them so a test can make
+the network fail in the middle of an upload, or the endpoint answer 503 for a while.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 import socket
-import subprocess
 import threading
-import time
 
-import pytest
-
-from conftest import free_port
+from benchmarks.common import MotoServer, free_port  # noqa: F401 - MotoServer: tests import it from here
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-
-
-class MotoServer:
-    def __init__(self, require_auth: bool = False):
-        if shutil.which("moto_server") is None:
-            pytest.skip("moto_server not installed (pip install 'moto[server]')")
-        self.port = free_port()
-        env = {**os.environ, **({"INITIAL_NO_AUTH_ACTION_COUNT": "0"} if require_auth else {})}
-        self.proc = subprocess.Popen(["moto_server", "-H", "127.0.0.1", "-p", str(self.port)], env=env,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # wait until it accepts connections
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return
-            except OSError:
-                time.sleep(0.1)
-        self.stop()
-        raise RuntimeError("moto_server did not start")
-
-    def client(self, endpoint: str | None = None):
-        import boto3
-
-        return boto3.client("s3", endpoint_url=endpoint or self.url, aws_access_key_id="testing",
-                            aws_secret_access_key="testing", region_name="us-east-1")
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait(timeout=10)
 
 
 class CuttableProxy:

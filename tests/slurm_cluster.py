@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import free_port
+from benchmarks.common import free_port
 
 
 class SlurmCluster:

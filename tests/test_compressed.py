@@ -7,6 +7,7 @@ import lzma
 
 import pytest
 
+from conftest import sweep, sweep_jobs, sweep_overrides
 from mingpt_ddp.corpus import sources
 from mingpt_ddp.corpus.prepare import ensure_prepared
 from mingpt_ddp.errors import DatasetError
@@ -90,12 +91,11 @@ def test_a_compressed_s3_object_is_decoded_while_it_is_prepared(s3, bucket, corp
 @pytest.mark.slow
 def test_training_on_each_format_gives_the_same_first_losses(corpora, tmp_path):
     # One sweep, one process (one torch start-up): a job per format, each in its own directory.
-    from test_sweeps import jobs, sweep, tiny
-
     paths = ",".join(str(p) for suffix, p in corpora.items() if suffix != ".zst")  # zstd: same tokens, above
-    result = sweep([*tiny(corpora[".txt"], tmp_path, max_steps=3, log_every=1, eval_every=3),
-                    f"data_config.path={paths}"], tmp_path)
+    result = sweep([*sweep_overrides(corpora[".txt"], tmp_path, max_steps=3, log_every=1, eval_every=3),
+                    f"data_config.path={paths}"], tmp_path / "sweep")
     assert result.returncode == 0, result.stderr[-2000:]
-    losses = [[r["train_loss"] for r in records if "train_loss" in r] for records in jobs(tmp_path).values()]
+    losses = [[r["train_loss"] for r in records if "train_loss" in r]
+              for records in sweep_jobs(tmp_path / "sweep").values()]
     assert len(losses) == 4 and len(losses[0]) == 3
     assert all(found == losses[0] for found in losses), losses

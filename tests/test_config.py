@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from mingpt_ddp.config import schema as config
-from conftest import REPO, run_main, tiny_overrides
+from conftest import REPO, TINY, kill_tree, run_main, start_main, tiny_overrides, wait_for_line
 from main import compose, to_job
 from mingpt_ddp.metrics import MetricsLog
 from model import MODEL_SIZES
@@ -55,12 +55,14 @@ def test_an_unknown_key_is_one_line_naming_it_however_it_is_written(name, overri
     assert line == TYPO
 
 
+@pytest.mark.slow
 def test_an_unknown_key_ends_the_run_with_that_one_line_and_exit_1(shakespeare, tmp_path):
     result = run_main(tiny_overrides(shakespeare, tmp_path) + ["+trainer_config.max_step=5"])
     assert result.returncode == 1 and result.stderr.strip() == TYPO
     assert not (tmp_path / "snapshots").exists()
 
 
+@pytest.mark.slow
 def test_an_unknown_section_and_a_sweep_of_typos_are_refused(shakespeare, tmp_path):
     result = run_main(tiny_overrides(shakespeare, tmp_path) + ["+trainer.max_steps=5"])
     assert result.returncode == 1
@@ -71,6 +73,7 @@ def test_an_unknown_section_and_a_sweep_of_typos_are_refused(shakespeare, tmp_pa
         to_job(job)
 
 
+@pytest.mark.slow
 def test_a_value_of_the_wrong_type_is_refused_naming_the_key(shakespeare, tmp_path):
     result = run_main(tiny_overrides(shakespeare, tmp_path) + ["trainer_config.max_steps=many"])
     assert result.returncode == 1 and "Traceback" not in result.stderr
@@ -78,13 +81,26 @@ def test_a_value_of_the_wrong_type_is_refused_naming_the_key(shakespeare, tmp_pa
     assert "full_key: trainer_config.max_steps" in result.stderr
 
 
-@pytest.mark.parametrize("override, needle", [
+OUT_OF_RANGE = [
     ("data_config.train_split=1.0", "data_config.train_split must be in (0, 1), got 1.0"),
     ("trainer_config.batch_size=0", "trainer_config.batch_size must be positive, got 0"),
     ("gpt_config.n_head=3", "gpt_config.n_embd (32) must be divisible by gpt_config.n_head (3)"),
     ("optimizer_config.min_lr=1.0", "optimizer_config: need learning_rate > 0 and 0 <= min_lr <= learning_rate"),
-])
-def test_an_out_of_range_value_is_one_line_naming_the_key(override, needle, shakespeare, tmp_path):
+]
+
+
+@pytest.mark.parametrize("override, needle", OUT_OF_RANGE)
+def test_an_out_of_range_value_is_refused_naming_the_key(override, needle):
+    # Where main.py's job refuses it (to_job); the test below shows how a run reports that refusal.
+    with pytest.raises(config.ConfigError) as refused:
+        to_job(compose(TINY + [override]))
+    assert str(refused.value) == needle
+
+
+@pytest.mark.slow
+def test_an_out_of_range_value_ends_the_run_with_that_one_line_and_exit_1(shakespeare, tmp_path):
+    # main.py turns every refusal of to_job into the same line (train_job): one value shows it.
+    override, needle = OUT_OF_RANGE[0]
     result = run_main(tiny_overrides(shakespeare, tmp_path) + [override])
     assert result.returncode == 1 and result.stderr.strip() == f"error: {needle}"
 
@@ -109,6 +125,7 @@ def test_the_default_run_is_the_dataclass_defaults():
         assert getattr(job, name) == getattr(defaults, name) == cls(), name
 
 
+@pytest.mark.slow
 def test_help_lists_the_groups_and_what_every_key_means():
     out = subprocess.run([sys.executable, str(REPO / "main.py"), "--help"], capture_output=True, text=True).stdout
     assert "parallel=fsdp:" in out and "recipe=shakespeare-gpu:" in out and "gpt-mini (6x6x192)" in out
@@ -127,6 +144,7 @@ def test_learning_rate_warms_up_then_decays_to_min_lr():
     assert cfg.lr_at(100, 100) == pytest.approx(1e-4)
 
 
+@pytest.mark.slow
 def test_main_reports_a_missing_dataset_in_one_line(tmp_path):
     result = run_main(tiny_overrides(tmp_path / "missing.txt", tmp_path))
     assert result.returncode == 1
@@ -134,6 +152,7 @@ def test_main_reports_a_missing_dataset_in_one_line(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_main_reports_an_unwritable_snapshot_path_before_training(shakespeare, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
@@ -178,12 +197,9 @@ def test_a_sweep_runs_every_job_in_its_own_directory_and_a_rerun_resumes_each(sh
 
 @pytest.mark.slow
 def test_a_sweep_killed_in_its_second_job_resumes_that_job_and_keeps_the_first(shakespeare, tmp_path):
-    from conftest import kill_tree, wait_for_line
-
     args = SWEEP + [f"data_config.path={shakespeare}", f"data_config.cache_dir={tmp_path / 'prepared'}",
                     f"hydra.sweep.dir={tmp_path / 'sweep'}", "trainer_config.max_steps=30", "trainer_config.device=cpu"]
-    job = subprocess.Popen([sys.executable, str(REPO / "main.py"), *args], cwd=REPO, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, env={**__import__("os").environ, "PYTHONUNBUFFERED": "1"})
+    job = start_main(args)
     lines = wait_for_line(job, "done | step 30")  # the first job finished...
     lines += wait_for_line(job, "snapshot | step 10")  # ...and the second has a snapshot: kill it now
     kill_tree(job)

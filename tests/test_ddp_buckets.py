@@ -3,13 +3,12 @@ its communication hook recorded (the JSON it writes) and from the sentences it p
 
 import json
 import re
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
 
-from conftest import REPO, free_port
+from conftest import REPO, main_command
+from conftest import run as run_command
 
 pytestmark = pytest.mark.slow
 MiB = 1024 * 1024
@@ -19,9 +18,7 @@ MiB = 1024 * 1024
 def tutorial(tmp_path_factory):
     """One run of the tutorial on 2 ranks (about 10 s): its stdout and the buckets rank 0 recorded."""
     record = tmp_path_factory.mktemp("buckets") / "buckets.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "--master_port", str(free_port()), str(REPO / "tutorials" / "ddp_buckets.py"), str(record)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=REPO)
+    result = run_command(main_command(2, [str(record)], script=REPO / "tutorials" / "ddp_buckets.py"), timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout, json.loads(record.read_text())
 

@@ -14,34 +14,17 @@ import time
 
 import pytest
 
-from conftest import REPO, descendants, free_port, tiny_overrides, wait_for_line
+from conftest import MAIN, REPO, free_port, start, start_main, tiny_overrides, wait_for_line, worker_pid
 from mingpt_ddp.metrics import MetricsLog
 
 pytestmark = pytest.mark.slow
+FAULTY = REPO / "tests" / "faulty_main.py"  # main.py with faults injected (FAULT=...)
 
 
-def elastic_cmd(script, nproc, *args, max_restarts=3):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            f"--max-restarts={max_restarts}", "--monitor-interval=0.5", "--master_port", str(free_port()),
-            str(script), *args]
-
-
-def start(cmd, env=None) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-
-
-def worker_pid(launcher: subprocess.Popen, rank: int) -> int:
-    """The pid of the worker process with global rank `rank` under a launcher."""
-    for pid in descendants(launcher.pid):
-        try:
-            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in environ and b"torch.distributed.run" not in cmdline:
-            return pid
-    raise AssertionError(f"no worker with RANK={rank}")
+def start_elastic(script, nproc, args, env=None) -> subprocess.Popen:
+    """torchrun restarting the worker group up to 3 times, checking its workers every 0.5 s."""
+    return start_main(args, nproc=nproc, env=env, script=script,
+                      torchrun_flags=("--max-restarts=3", "--monitor-interval=0.5"))
 
 
 def steps_logged(out: str) -> list[int]:
@@ -56,9 +39,11 @@ def test_sigkill_of_a_random_rank_at_a_random_step_restarts_and_finishes(shakesp
     rng = random.Random(2024)  # seeded: the same rank and step every run
     kill_rank, kill_step = rng.randrange(2), rng.choice([s for s in range(12, 29) if s % 10])
     args = tiny_overrides(shakespeare, tmp_path, max_steps=40, save_every=10, log_every=1)
-    job = start(elastic_cmd(REPO / "main.py", 2, *args))
+    job = start_elastic(MAIN, 2, args)
     before = wait_for_line(job, f"step {kill_step:>6}/40")
-    os.kill(worker_pid(job, kill_rank), signal.SIGKILL)
+    victim = worker_pid(job.pid, kill_rank)
+    assert victim, f"no worker with RANK={kill_rank}"
+    os.kill(victim, signal.SIGKILL)
     rest, _ = job.communicate(timeout=180)
     out = "".join(before) + rest
     assert job.returncode == 0, out[-3000:]
@@ -75,7 +60,7 @@ def test_sigkill_of_a_random_rank_at_a_random_step_restarts_and_finishes(shakesp
 
 def test_an_exception_on_one_rank_is_reported_after_the_restart(shakespeare, tmp_path):
     args = tiny_overrides(shakespeare, tmp_path, max_steps=20, save_every=5, log_every=1)
-    job = start(elastic_cmd(REPO / "tests" / "faulty_main.py", 2, *args), env={"FAULT": "raise:1:7"})
+    job = start_elastic(FAULTY, 2, args, env={"FAULT": "raise:1:7"})
     out, _ = job.communicate(timeout=180)
     assert job.returncode == 0, out[-3000:]
     assert "rank 1: RuntimeError: injected failure" in out
@@ -87,7 +72,7 @@ def test_a_stalled_rank_becomes_an_error_within_the_collective_timeout_and_the_g
     timeout_s = 5
     args = tiny_overrides(shakespeare, tmp_path, max_steps=20, save_every=5, log_every=1,
                           collective_timeout_s=timeout_s)
-    job = start(elastic_cmd(REPO / "tests" / "faulty_main.py", 2, *args), env={"FAULT": "stall:1:7"})
+    job = start_elastic(FAULTY, 2, args, env={"FAULT": "stall:1:7"})
     wait_for_line(job, "fault | rank 1 | stall")
     stalled_at = time.monotonic()
     restarted = wait_for_line(job, "restart | torchrun restarted the workers", timeout=120)
@@ -107,7 +92,7 @@ def test_a_launcher_that_only_sets_the_standard_variables_works(shakespeare, tmp
     # start N processes with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
     port, world = free_port(), 2
     args = tiny_overrides(shakespeare, tmp_path, max_steps=6, save_every=6)
-    procs = [start([sys.executable, str(REPO / "main.py"), *args],
+    procs = [start([sys.executable, MAIN, *args],
                    env={"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
              for r in range(world)]

@@ -1,13 +1,12 @@
 """Rendezvous through a real etcd server, as the study notes run torchelastic: two torchrun agents
 on loopback find each other through etcd instead of c10d's TCP store."""
 
-import os
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, lose_a_node, tiny_overrides, wait_for_line
+from conftest import MAIN, lose_a_node, start, tiny_overrides, wait_for_line
 from mingpt_ddp.runtime.etcd_check import etcd_v2_problem
 from etcd_server import EtcdServer
 from mingpt_ddp.snapshots.store import SnapshotStore
@@ -25,9 +24,8 @@ def etcd():
 def agent(backend: str, endpoint: str, nnodes: str, args: list[str], extra=(), run_id="job-1") -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc_per_node=1",
            f"--rdzv_backend={backend}", f"--rdzv_endpoint={endpoint}", f"--rdzv_id={run_id}", "--monitor-interval=0.5",
-           *extra, str(REPO / "main.py"), *args]
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+           *extra, MAIN, *args]
+    return start(cmd)
 
 
 def two_agents(backend: str, endpoint: str, args: list[str], run_id: str) -> str:
@@ -50,15 +48,18 @@ def test_two_agents_meet_through_etcd_train_snapshot_and_resume(backend, etcd, s
 
 
 def test_an_elastic_job_on_etcd_loses_a_node_and_finishes(etcd, shakespeare, tmp_path):
-    args = tiny_overrides(shakespeare, tmp_path, max_steps=200, save_every=20, log_every=20)
-    elastic = ("--max-restarts=3", "--rdzv-conf=last_call_timeout=5,join_timeout=60")
+    # 80 steps: the node is lost after the step-40 snapshot; the rest run at world size 1.
+    args = tiny_overrides(shakespeare, tmp_path, max_steps=80, save_every=20, log_every=20)
+    # keep_alive_interval=1: the lost node's heartbeat is missed for 3 s (3 attempts), not 15 (the
+    # default 5 s x 3), before the survivor's new round may leave it out.
+    elastic = ("--max-restarts=3", "--rdzv-conf=last_call_timeout=5,join_timeout=60,keep_alive_interval=1")
     node0 = agent("etcd-v2", etcd.endpoint, "1:2", args, elastic)
     node1 = agent("etcd-v2", etcd.endpoint, "1:2", args, elastic)
     out = lose_a_node(node0, node1, after="snapshot | step 40")
     assert "world size 2 |" in out  # before the loss
     assert node0.returncode == 0, out[-3000:]
     assert "world size 1 | backend" in out and "restart 1" in out and "saved at world size 2, now 1" in out
-    assert "done | step 200" in out
+    assert "done | step 80" in out
 
 
 def test_etcd_stopping_mid_job_fails_the_job_clearly_and_loses_no_snapshot(etcd, shakespeare, tmp_path):

@@ -40,6 +40,7 @@ def test_main_fetches_the_default_corpus_once_per_node_then_trains(shakespeare, 
     assert (tmp_path / "data" / "tinyshakespeare" / "input.txt").stat().st_size == SIZE
 
 
+@pytest.mark.slow
 def test_main_offline_fails_fast_naming_data_config_path(tmp_path):
     result = run_main(_default_path_args(tmp_path), cwd=tmp_path,
                       env={"TINYSHAKESPEARE_URL": f"http://127.0.0.1:{free_port()}/input.txt"})

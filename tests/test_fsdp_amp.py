@@ -2,13 +2,12 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import REPO, kill_tree, run_main, tiny_overrides, torchrun_cmd
+from conftest import REPO, kill_tree, run, run_main, start_main, tiny_overrides
 from mingpt_ddp.metrics import MetricsLog
 from mingpt_ddp.snapshots.store import MANIFEST, SnapshotStore
 
@@ -24,60 +23,59 @@ def ok(result):
     return result.stdout
 
 
+@pytest.mark.slow
 def test_fsdp_without_a_process_group_is_a_config_error(shakespeare, tmp_path):
     result = run_main(tiny_overrides(shakespeare, tmp_path) + [FSDP])
     assert result.returncode == 1 and "parallel=fsdp needs a process group" in result.stderr
 
 
+@pytest.mark.slow
 def test_an_unknown_parallel_mode_is_a_config_error(shakespeare, tmp_path):
     result = run_main(tiny_overrides(shakespeare, tmp_path) + ["trainer_config.parallel=horovod"])
     assert result.returncode == 1 and "parallel must be ddp, fsdp, deepspeed or none" in result.stderr
 
 
 @pytest.mark.slow
-def test_fsdp_and_ddp_give_the_same_losses_and_gradient_norms_for_20_steps(shakespeare, tmp_path):
-    settings = dict(max_steps=20, log_every=1, save_every=20)
-    ok(run_main(tiny_overrides(shakespeare, tmp_path / "ddp", **settings), nproc=2))
-    ok(run_main(tiny_overrides(shakespeare, tmp_path / "fsdp", **settings) + [FSDP], nproc=2))
-    ddp, fsdp = losses(tmp_path / "ddp"), losses(tmp_path / "fsdp")
-    assert len(ddp) == len(fsdp) == 20
+def test_fsdp_and_ddp_give_the_same_losses_and_gradient_norms_for_30_steps(ddp_reference, shakespeare, tmp_path):
+    straight, settings, extra = ddp_reference  # DDP, 2 ranks, with dropout: the same random draws in both
+    ok(run_main(tiny_overrides(shakespeare, tmp_path, **settings) + extra + [FSDP], nproc=2))
+    ddp, fsdp = losses(straight.run_dir), losses(tmp_path)
+    assert len(ddp) == len(fsdp) == 30
     for a, b in zip(ddp, fsdp):
         assert abs(a["train_loss"] - b["train_loss"]) < 1e-4, (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-3 * max(1.0, a["grad_norm"]), (a, b)
 
 
 @pytest.mark.slow
-def test_fsdp_snapshot_from_4_ranks_resumes_at_2_then_1_and_sample_py_reads_it(shakespeare, tmp_path):
-    out = ok(run_main(tiny_overrides(shakespeare, tmp_path, max_steps=10, save_every=10, log_every=1) + [FSDP], nproc=4))
-    assert "in 6 files (sharded)" in out  # 4 shards + DCP metadata + meta.pt
-    out = ok(run_main(tiny_overrides(shakespeare, tmp_path, max_steps=20, save_every=10, log_every=1) + [FSDP], nproc=2))
+def test_fsdp_snapshots_reshard_4_2_1_load_into_one_process_and_back_and_consolidate(shakespeare, tmp_path):
+    """One job resumed again and again, 10 steps each time: FSDP shards from 4 ranks resume at 2, then
+    at 1 (sample.py reads them); a plain process resumes from the shards and saves one file, which
+    FSDP at 2 ranks loads again; the result consolidates to one file."""
+    def leg(max_steps, *extra, nproc):
+        return ok(run_main(tiny_overrides(shakespeare, tmp_path, max_steps=max_steps, save_every=10, log_every=1)
+                           + list(extra), nproc=nproc))
+
+    assert "in 6 files (sharded)" in leg(10, FSDP, nproc=4)  # 4 shards + DCP metadata + meta.pt
+    out = leg(20, FSDP, nproc=2)
     assert "resume | step 10 | epoch 0 | 160 samples into the epoch | saved at world size 4, now 2" in out
-    out = ok(run_main(tiny_overrides(shakespeare, tmp_path, max_steps=30, save_every=10, log_every=1) + [FSDP], nproc=1))
-    assert "saved at world size 2, now 1" in out
-    records = losses(tmp_path)
-    assert [r["step"] for r in records] == list(range(1, 31))
-    assert sum(r["train_loss"] for r in records[-5:]) < sum(r["train_loss"] for r in records[:5])  # still learning
-    sample = subprocess.run([sys.executable, str(REPO / "sample.py"), "--snapshot", str(tmp_path / "snapshots"),
-                             "--prompt", "KING", "--chars", "20"], capture_output=True, text=True, timeout=60)
+    assert "saved at world size 2, now 1" in leg(30, FSDP, nproc=1)
+    sample = run([sys.executable, REPO / "sample.py", "--snapshot", tmp_path / "snapshots", "--prompt", "KING",
+                  "--chars", "20"], timeout=60)
     assert sample.returncode == 0, sample.stderr
     assert sample.stdout.startswith("KING") and "step 30 snapshot" in sample.stderr
-
-
-@pytest.mark.slow
-def test_ddp_and_fsdp_snapshots_load_into_each_other_and_consolidate_to_one_file(shakespeare, tmp_path):
-    ok(run_main(tiny_overrides(shakespeare, tmp_path, max_steps=10, save_every=10), nproc=2))  # DDP: one file
-    out = ok(run_main(tiny_overrides(shakespeare, tmp_path, max_steps=20, save_every=10) + [FSDP], nproc=2))
-    assert "resume | step 10" in out and "(sharded)" in out
-    out = ok(run_main(tiny_overrides(shakespeare, tmp_path, max_steps=30, save_every=10)))  # one process, from shards
-    assert "resume | step 20" in out
-    out = ok(run_main(tiny_overrides(shakespeare, tmp_path, max_steps=40, save_every=10) + [FSDP], nproc=2))
+    out = leg(40, nproc=0)  # one process (DDP's one-file format), from the shards
     assert "resume | step 30" in out
+    out = leg(50, FSDP, nproc=2)  # and FSDP from that one file
+    assert "resume | step 40" in out and "(sharded)" in out
+    records = losses(tmp_path)
+    assert [r["step"] for r in records] == list(range(1, 51))
+    assert sum(r["train_loss"] for r in records[-5:]) < sum(r["train_loss"] for r in records[:5])  # still learning
     single = tmp_path / "consolidated.pt"
-    conv = subprocess.run([sys.executable, "-m", "mingpt_ddp.snapshots", "consolidate", str(tmp_path / "snapshots"),
-                           str(single)], capture_output=True, text=True, timeout=60)
+    conv = run([sys.executable, "-m", "mingpt_ddp.snapshots", "consolidate", tmp_path / "snapshots", single],
+               timeout=60)
     assert conv.returncode == 0, conv.stderr
     state = torch.load(single, weights_only=True)
-    assert state["step"] == 40 and state["model"]["wte.weight"].shape == (65, 32)
+    assert state["step"] == 50 and state["model"]["wte.weight"].shape == (65, 32)
     assert set(state["optimizer"]["state"]) >= {"wte.weight", "blocks.0.attn.qkv.weight"}
 
 
@@ -152,16 +150,25 @@ def test_the_loss_is_computed_in_fp32_under_fsdp_bf16_parameters(tmp_path):
         dist.destroy_process_group()
 
 
+COMPILE_SETTINGS = dict(max_steps=6, log_every=1, save_every=6)
+
+
+@pytest.fixture(scope="module")
+def eager_ddp(shakespeare, tmp_path_factory):
+    """6 eager DDP steps at 2 ranks: what compiled DDP and compiled FSDP must match (eager FSDP
+    matches eager DDP to 1e-4, test_fsdp_and_ddp_give_the_same_losses...)."""
+    run_dir = tmp_path_factory.mktemp("eager")
+    ok(run_main(tiny_overrides(shakespeare, run_dir, **COMPILE_SETTINGS), nproc=2))
+    return run_dir
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_compile_under_ddp_and_fsdp_trains_like_eager(parallel, shakespeare, tmp_path):
-    settings = dict(max_steps=6, log_every=1, save_every=6)
-    eager = tiny_overrides(shakespeare, tmp_path / "eager", **settings) + [f"trainer_config.parallel={parallel}"]
-    ok(run_main(eager, nproc=2))
-    out = ok(run_main(tiny_overrides(shakespeare, tmp_path / "compiled", **settings) +
+def test_compile_under_ddp_and_fsdp_trains_like_eager(parallel, eager_ddp, shakespeare, tmp_path):
+    out = ok(run_main(tiny_overrides(shakespeare, tmp_path, **COMPILE_SETTINGS) +
                       [f"trainer_config.parallel={parallel}", "trainer_config.compile=true"], nproc=2))
     assert "+ compile" in out
-    for a, b in zip(losses(tmp_path / "eager"), losses(tmp_path / "compiled"), strict=True):
+    for a, b in zip(losses(eager_ddp), losses(tmp_path), strict=True):
         assert abs(a["train_loss"] - b["train_loss"]) < 1e-3, (a, b)
 
 
@@ -170,10 +177,7 @@ def test_sigkill_during_a_sharded_save_leaves_the_previous_snapshot_usable(shake
     args = tiny_overrides(shakespeare, tmp_path, max_steps=60, save_every=5) + [FSDP]
     snap_dir = tmp_path / "snapshots"
     # Rank 1 stops half-way through writing its shard of the step-10 snapshot, and the job is killed there.
-    cmd = torchrun_cmd(2, *args)
-    cmd[cmd.index(str(REPO / "main.py"))] = str(REPO / "tests" / "faulty_main.py")
-    job = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           env={**os.environ, "PYTHONUNBUFFERED": "1", "FAULT": "block_write:1:10"})
+    job = start_main(args, nproc=2, script=REPO / "tests" / "faulty_main.py", env={"FAULT": "block_write:1:10"})
     for line in job.stdout:
         if "fault | rank 1 | blocked half-way through writing snapshot_00000010.g1.dcp/" in line:
             break

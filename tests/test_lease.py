@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, kill_tree, run_main, tiny_overrides, wait_for_line
+from conftest import REPO, kill_tree, run_main, start_main, tiny_overrides, wait_for_line
 from mingpt_ddp.snapshots.lease import (
     LEASE,
     Lease,
@@ -26,9 +26,11 @@ from mingpt_ddp.snapshots.store import MANIFEST, SnapshotStore
 from mingpt_ddp.snapshots.storage import LocalStorage
 
 
-def start_job(args: list[str], env: dict | None = None, script=REPO / "main.py") -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(script), *args], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+FAULTY = REPO / "tests" / "faulty_main.py"  # main.py with faults injected (FAULT=...)
+
+
+def start_job(args: list[str], env: dict | None = None) -> subprocess.Popen:
+    return start_main(args, env=env)  # one process
 
 
 def state(step: int) -> dict:
@@ -125,6 +127,7 @@ def test_a_crafted_s3_manifest_touches_nothing_outside_the_snapshot_prefix(s3, b
 
 
 # ----------------------------------------------------------------------------- two jobs, real processes
+@pytest.mark.slow
 def test_two_identical_jobs_started_at_once_on_one_local_path_only_one_trains(shakespeare, tmp_path):
     args = tiny_overrides(shakespeare, tmp_path, max_steps=100000, save_every=50)
     jobs = [start_job(args), start_job(args)]  # the same command twice, at the same moment
@@ -145,6 +148,7 @@ def test_two_identical_jobs_started_at_once_on_one_local_path_only_one_trains(sh
             kill_tree(job)
 
 
+@pytest.mark.slow
 def test_two_identical_jobs_on_one_s3_path_only_one_trains(s3, bucket, shakespeare, tmp_path):
     args = tiny_overrides(shakespeare, tmp_path, max_steps=100000, save_every=50) + \
         [f"trainer_config.snapshot_path=s3://{bucket}/run", f"trainer_config.s3_endpoint_url={s3.url}"]
@@ -158,6 +162,7 @@ def test_two_identical_jobs_on_one_s3_path_only_one_trains(s3, bucket, shakespea
         kill_tree(first)
 
 
+@pytest.mark.slow
 def test_a_holder_that_exited_but_was_not_yet_reaped_counts_as_gone():
     # A SIGKILLed torchrun worker stays a zombie until whoever adopts it collects its exit status;
     # a rerun must not wait for that.
@@ -172,6 +177,7 @@ def test_a_holder_that_exited_but_was_not_yet_reaped_counts_as_gone():
     assert holder_is_gone(record)
 
 
+@pytest.mark.slow
 def test_a_rerun_after_sigkill_on_the_same_host_takes_the_lease_at_once(shakespeare, tmp_path):
     def args(max_steps: int) -> list[str]:
         return tiny_overrides(shakespeare, tmp_path, max_steps=max_steps, save_every=5, lease_ttl_s=3600)
@@ -183,6 +189,7 @@ def test_a_rerun_after_sigkill_on_the_same_host_takes_the_lease_at_once(shakespe
     assert "has exited" in rerun.stdout and "resume | step " in rerun.stdout  # no hour-long wait
 
 
+@pytest.mark.slow
 def test_a_paused_job_that_lost_its_lease_cannot_write_and_the_new_owner_is_intact(shakespeare, tmp_path):
     def args(max_steps: int) -> list[str]:
         return tiny_overrides(shakespeare, tmp_path, max_steps=max_steps, save_every=5, lease_ttl_s=2, log_every=1)
@@ -208,10 +215,10 @@ def test_a_paused_job_that_lost_its_lease_cannot_write_and_the_new_owner_is_inta
 
 
 # ------------------------------------------------------------------------------------- transient faults
+@pytest.mark.slow
 def test_a_save_that_fails_for_a_while_does_not_stop_training(shakespeare, tmp_path):
     args = tiny_overrides(shakespeare, tmp_path, max_steps=20, save_every=5)
-    result = subprocess.run([sys.executable, str(REPO / "tests" / "faulty_main.py"), *args], cwd=REPO,
-                            capture_output=True, text=True, timeout=240, env={**os.environ, "FAULT": "enospc_at:0:5"})
+    result = run_main(args, script=FAULTY, env={"FAULT": "enospc_at:0:5"})
     assert result.returncode == 0, result.stderr[-2000:]
     assert "snapshot save of step 5" in result.stderr and "training goes on" in result.stderr
     assert "done | step 20" in result.stdout
@@ -219,10 +226,10 @@ def test_a_save_that_fails_for_a_while_does_not_stop_training(shakespeare, tmp_p
     assert [e["step"] for e in store._manifest()] == [10, 15, 20]
 
 
+@pytest.mark.slow
 def test_saves_that_keep_failing_fail_the_job_naming_the_resume_point(shakespeare, tmp_path):
     args = tiny_overrides(shakespeare, tmp_path, max_steps=40, save_every=5, max_failed_saves=2)
-    result = subprocess.run([sys.executable, str(REPO / "tests" / "faulty_main.py"), *args], cwd=REPO,
-                            capture_output=True, text=True, timeout=240, env={**os.environ, "FAULT": "enospc_from:0:10"})
+    result = run_main(args, script=FAULTY, env={"FAULT": "enospc_from:0:10"})
     assert result.returncode == 1
     last_line = result.stderr.strip().splitlines()[-1]
     assert last_line.startswith("error:") and "2 saves in a row failed" in last_line and "resumes from step 5" in last_line
@@ -231,6 +238,7 @@ def test_saves_that_keep_failing_fail_the_job_naming_the_resume_point(shakespear
     assert rerun.returncode == 0 and "resume | step 5 |" in rerun.stdout
 
 
+@pytest.mark.slow
 def test_an_s3_endpoint_returning_503_for_a_while_loses_no_work(s3, bucket, shakespeare, tmp_path):
     proxy = FlakyS3Proxy(s3.port, fail_puts_matching="snapshot_", failures=12)  # 503 SlowDown for a while
     try:

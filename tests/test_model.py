@@ -7,14 +7,14 @@ import torch
 from torch.nn import functional as F
 
 from mingpt_ddp.errors import ConfigError
+from conftest import tiny_gpt
 from model import GPT, MODEL_SIZES, GPTConfig
 from mingpt_ddp.config.optimizer import OptimizerConfig
 from mingpt_ddp.optim import build_optimizers
 
 
 def tiny(**kw) -> GPT:
-    torch.manual_seed(0)
-    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=11, block_size=8, **kw))
+    return tiny_gpt(vocab_size=11, block_size=8, **kw)  # seeded: 2 layers, 2 heads, width 16
 
 
 def test_forward_returns_logits_per_position_and_a_scalar_loss():

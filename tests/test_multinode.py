@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import REPO, free_port, lose_a_node, tiny_overrides
+from conftest import MAIN, free_port, lose_a_node, start, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -22,19 +22,18 @@ pytestmark = pytest.mark.slow
 def agent_cmd(endpoint: str, nnodes: str, *args: str, extra=()) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc_per_node=2",
             "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", "--rdzv_id=test-job", *extra,
-            str(REPO / "main.py"), *args]
+            MAIN, *args]
 
 
-def start(cmd, prefix=()) -> subprocess.Popen:
-    return subprocess.Popen([*prefix, *cmd], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+def start_agent(cmd, prefix=()) -> subprocess.Popen:
+    return start([*prefix, *cmd])
 
 
 def run_two_agents(make_cmd, timeout=180) -> tuple[str, str]:
     """Start node 0 (which hosts the rendezvous store), then node 1; return both outputs."""
-    first = start(*make_cmd(0))
+    first = start_agent(*make_cmd(0))
     time.sleep(0.5)
-    second = start(*make_cmd(1))
+    second = start_agent(*make_cmd(1))
     outs = [p.communicate(timeout=timeout)[0] for p in (first, second)]
     assert [first.returncode, second.returncode] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     return outs[0], outs[1]
@@ -57,11 +56,15 @@ def test_two_agents_on_loopback_train_snapshot_and_resume(shakespeare, tmp_path)
 
 def test_elastic_job_loses_a_node_and_finishes_at_the_smaller_world_size(shakespeare, tmp_path):
     endpoint = f"127.0.0.1:{free_port()}"
-    args = tiny_overrides(shakespeare, tmp_path, max_steps=200, save_every=20, log_every=20)
-    elastic = ("--max-restarts=3", "--monitor-interval=0.5", "--rdzv-conf=last_call_timeout=5,join_timeout=60")
-    node0 = start(agent_cmd(endpoint, "1:2", *args, extra=elastic))
+    # 80 steps: the node is lost after the step-40 snapshot; the rest run at world size 2.
+    args = tiny_overrides(shakespeare, tmp_path, max_steps=80, save_every=20, log_every=20)
+    # keep_alive_interval=1: the lost node's heartbeat is missed for 3 s (3 attempts), not 15 (the
+    # default 5 s x 3), before the survivor's new round may leave it out.
+    elastic = ("--max-restarts=3", "--monitor-interval=0.5",
+               "--rdzv-conf=last_call_timeout=5,join_timeout=60,keep_alive_interval=1")
+    node0 = start_agent(agent_cmd(endpoint, "1:2", *args, extra=elastic))
     time.sleep(0.5)
-    node1 = start(agent_cmd(endpoint, "1:2", *args, extra=elastic))
+    node1 = start_agent(agent_cmd(endpoint, "1:2", *args, extra=elastic))
     out = lose_a_node(node0, node1, after="snapshot | step 40")
     assert "world size 4 |" in out  # before the loss
     assert node0.returncode == 0, out[-3000:]
@@ -69,7 +72,7 @@ def test_elastic_job_loses_a_node_and_finishes_at_the_smaller_world_size(shakesp
     assert "rank 2 died without a word" in out and "rank 3 died without a word" in out
     assert "saved at world size 4, now 2" in out
     assert "global batch kept at 16 windows = 4 per rank x 2 ranks x 2 accumulation steps" in out
-    assert "done | step 200" in out
+    assert "done | step 80" in out
 
 
 @pytest.fixture

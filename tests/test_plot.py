@@ -20,6 +20,7 @@ def write_metrics(path, losses):
         f.write(json.dumps({"step": 20, "event": "snapshot", "stall_ms": 3.0}) + "\n")  # events are skipped
 
 
+@pytest.mark.slow
 def test_plot_draws_one_png_from_several_runs(tmp_path):
     pytest.importorskip("matplotlib")
     for name in ("a", "b"):
@@ -32,6 +33,7 @@ def test_plot_draws_one_png_from_several_runs(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_plot_of_a_missing_file_is_a_one_line_error(tmp_path):
     result = subprocess.run([sys.executable, str(REPO / "plot.py"), str(tmp_path / "nope.jsonl")],
                             capture_output=True, text=True)

@@ -218,6 +218,7 @@ def test_a_stale_copy_in_a_read_only_cache_dir_is_a_one_line_error(corpus, tmp_p
         subprocess.run(["umount", str(tmp_path / "ro")], check=True)
 
 
+@pytest.mark.slow
 def test_sampling_catches_cheap_damage_and_verify_catches_the_rest(tmp_path):
     corpus = tmp_path / "big.txt"
     corpus.write_bytes(bytes(range(32, 127)) * 60_000)  # 5.7 MB
@@ -235,6 +236,7 @@ def test_sampling_catches_cheap_damage_and_verify_catches_the_rest(tmp_path):
     assert cli.returncode == 1 and cli.stderr.startswith("error:") and "sha256 mismatch" in cli.stderr
 
 
+@pytest.mark.slow
 def test_the_command_line_prepares_ahead_of_a_job(corpus, tmp_path):
     cli = subprocess.run([sys.executable, str(REPO / "prepare.py"), str(corpus), "--cache-dir", str(tmp_path / "c")],
                          capture_output=True, text=True, cwd=tmp_path)
@@ -255,6 +257,7 @@ def paused(fifo, corpus, cache) -> subprocess.Popen:
     raise AssertionError(f"the preparer never paused (exit {proc.wait()})")
 
 
+@pytest.mark.slow
 def test_a_preparer_killed_mid_write_leaves_nothing_to_train_on_and_the_next_run_cleans_up(corpus, tmp_path):
     fifo, cache = tmp_path / "fifo", tmp_path / "cache"
     os.mkfifo(fifo)
@@ -270,6 +273,7 @@ def test_a_preparer_killed_mid_write_leaves_nothing_to_train_on_and_the_next_run
     assert not list(directory.glob(".*.tmp"))  # the killed run's temporary file is gone
 
 
+@pytest.mark.slow
 def test_two_preparers_at_once_prepare_once_and_both_get_the_same_copy(corpus, tmp_path):
     fifo, cache = tmp_path / "fifo", tmp_path / "cache"
     os.mkfifo(fifo)

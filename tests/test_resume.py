@@ -8,23 +8,20 @@ import json
 import os
 import signal
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import REPO, descendants, kill_tree, run_main, tiny_overrides, torchrun_cmd, wait_for_line
+from conftest import MAIN, REPO, descendants, kill_tree, run_main, start_main, tiny_overrides, wait_for_line
 from mingpt_ddp.metrics import MetricsLog
 from mingpt_ddp.snapshots.store import MANIFEST, SnapshotStore
 
 pytestmark = pytest.mark.slow
+FAULTY = REPO / "tests" / "faulty_main.py"  # main.py with faults injected (FAULT=...)
 
 
-def start_job(args, nproc=2, script=REPO / "main.py", env=None) -> subprocess.Popen:
-    cmd = torchrun_cmd(nproc, *args)
-    cmd[cmd.index(str(REPO / "main.py"))] = str(script)
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+def start_job(args, nproc=2, script=MAIN, env=None) -> subprocess.Popen:
+    return start_main(args, nproc=nproc, env=env, script=script)
 
 
 def final_weights(run_dir):
@@ -39,23 +36,11 @@ def assert_same_run(a_dir, b_dir, max_steps):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-SETTINGS = dict(max_steps=30, save_every=10, log_every=1, eval_every=10)
-
-
-@pytest.fixture(scope="module")
-def straight_run(shakespeare, tmp_path_factory):
-    """The reference: 30 steps at world size 2, never interrupted."""
-    run_dir = tmp_path_factory.mktemp("straight")
-    result = run_main(tiny_overrides(shakespeare, run_dir, **SETTINGS), nproc=2)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return run_dir
-
-
 def test_sigkill_while_a_snapshot_is_being_written_keeps_the_previous_one(shakespeare, tmp_path):
     args = tiny_overrides(shakespeare, tmp_path, max_steps=40, save_every=5)
     snap_dir = tmp_path / "snapshots"
     # Rank 0 stops half-way through writing the step-10 snapshot (tests/faulty_main.py), and is killed there.
-    job = start_job(args, script=REPO / "tests" / "faulty_main.py", env={"FAULT": "block_write:0:10"})
+    job = start_job(args, script=FAULTY, env={"FAULT": "block_write:0:10"})
     wait_for_line(job, "fault | rank 0 | blocked half-way through writing snapshot_00000010.g1.pt")
     kill_tree(job)
     assert any(n.startswith(".snapshot_00000010.g1.pt.") and n.endswith(".tmp") for n in os.listdir(snap_dir))
@@ -66,8 +51,9 @@ def test_sigkill_while_a_snapshot_is_being_written_keeps_the_previous_one(shakes
     assert SnapshotStore(str(snap_dir)).load_latest()["step"] == 40
 
 
-def test_sigterm_finishes_the_step_saves_and_resumes_exactly(straight_run, shakespeare, tmp_path):
-    args = tiny_overrides(shakespeare, tmp_path, **SETTINGS)
+def test_sigterm_finishes_the_step_saves_and_resumes_exactly(ddp_reference, shakespeare, tmp_path):
+    straight, settings, extra = ddp_reference  # the same job, never interrupted
+    args = tiny_overrides(shakespeare, tmp_path, **settings) + extra
     job = start_job(args)
     lines = wait_for_line(job, "snapshot | step 10")
     job.send_signal(signal.SIGTERM)  # what SLURM / Kubernetes send before killing; torchrun forwards it
@@ -79,7 +65,7 @@ def test_sigterm_finishes_the_step_saves_and_resumes_exactly(straight_run, shake
     resumed = run_main(args, nproc=2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resume | step {stopped_at} |" in resumed.stdout
-    assert_same_run(straight_run, tmp_path, SETTINGS["max_steps"])
+    assert_same_run(straight.run_dir, tmp_path, settings["max_steps"])
 
 
 def test_a_stop_signal_sent_to_every_process_of_the_job_still_saves_the_step(shakespeare, tmp_path):
@@ -102,9 +88,7 @@ def test_a_second_ctrl_c_a_moment_later_stops_at_once_and_keeps_the_last_snapsho
     args = tiny_overrides(shakespeare, tmp_path, max_steps=40, save_every=5)
     # One process, whose step-10 save hangs half-way (tests/faulty_main.py): the first Ctrl-C asks
     # for a snapshot that cannot come; the second, a moment later, is the user insisting.
-    job = subprocess.Popen([sys.executable, str(REPO / "tests" / "faulty_main.py"), *args], cwd=REPO,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           env={**os.environ, "PYTHONUNBUFFERED": "1", "FAULT": "block_write:0:10"})
+    job = start_job(args, nproc=0, script=FAULTY, env={"FAULT": "block_write:0:10"})
     wait_for_line(job, "blocked half-way through writing snapshot_00000010")
     job.send_signal(signal.SIGINT)
     with pytest.raises(subprocess.TimeoutExpired):  # the first one waits for the step's snapshot
@@ -115,11 +99,12 @@ def test_a_second_ctrl_c_a_moment_later_stops_at_once_and_keeps_the_last_snapsho
     assert SnapshotStore(str(tmp_path / "snapshots")).load_latest()["step"] == 5
 
 
-def test_async_saves_give_the_same_run_and_the_same_snapshots(straight_run, shakespeare, tmp_path):
-    result = run_main(tiny_overrides(shakespeare, tmp_path, **SETTINGS, async_save="true"), nproc=2)
+def test_async_saves_give_the_same_run_and_the_same_snapshots(ddp_reference, shakespeare, tmp_path):
+    straight, settings, extra = ddp_reference  # the same job, saving in the foreground
+    result = run_main(tiny_overrides(shakespeare, tmp_path, **settings, async_save="true") + extra, nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "writing in the background" in result.stdout
-    assert_same_run(straight_run, tmp_path, SETTINGS["max_steps"])
+    assert_same_run(straight.run_dir, tmp_path, settings["max_steps"])
     assert sorted(p.name for p in (tmp_path / "snapshots").glob("snapshot_*.pt")) == \
         ["snapshot_00000010.g1.pt", "snapshot_00000020.g1.pt", "snapshot_00000030.g1.pt"]
 
@@ -155,8 +140,8 @@ def _epoch0_starts(trace_dir) -> list[int]:
 @pytest.mark.parametrize("before, after", [(2, 1), (4, 2)])
 def test_resume_at_another_world_size_sees_every_remaining_sample_once(before, after, shakespeare, tmp_path):
     corpus = tmp_path / "small.txt"
-    corpus.write_text(shakespeare.read_text()[:1500])  # 1318 training windows of 32: a short epoch
-    n_windows, batch, first_leg = int(1500 * 0.9) - 32, 4, 20
+    corpus.write_text(shakespeare.read_text()[:700])  # 598 training windows of 32: a short epoch
+    n_windows, batch, first_leg = int(700 * 0.9) - 32, 4, 20
     consumed = first_leg * before * batch
     remaining_steps = (n_windows - consumed) // (before * batch)  # the global batch is kept: accumulation grows
     common = dict(eval_every=10_000, save_every=first_leg, trace_samples_path=tmp_path / "trace")

@@ -48,6 +48,7 @@ def test_the_scalar_and_vectorised_paths_agree():
         assert order(positions).tolist() == [order.at(p) for p in positions.tolist()]
 
 
+@pytest.mark.slow
 def test_the_order_is_the_same_in_another_process():
     code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); from mingpt_ddp.corpus.order import FeistelPermutation; "
             "torch.set_num_threads(1); print(FeistelPermutation(12345, 99, 5)(torch.arange(0, 12345, 97)).tolist())")

@@ -50,7 +50,7 @@ def test_a_preempted_job_is_requeued_and_resumes_from_the_snapshot_taken_on_the_
         job = cluster.run("sbatch", "--parsable", "--nodes=1", f"--cpus-per-task={os.cpu_count()}",
                           "--gpus-per-node=0", "--open-mode=append", f"--output={log}", str(SCRIPT),
                           *tiny_overrides(shakespeare, tmp_path, max_steps=100000, save_every=1000,
-                                          log_every=100, eval_every=100000),
+                                          log_every=20, eval_every=100000),
                           env={"NPROC_PER_NODE": "2", "RDZV_PORT": str(free_port())}, cwd=REPO).strip()
         wait_until(lambda: "| loss " in text(), "the job to train")  # a step line: the loop is running
         cluster.run("scancel", "--signal=TERM", job)  # what SLURM sends on preemption or before the time limit

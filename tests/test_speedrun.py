@@ -2,14 +2,12 @@
 does what it says, and Muon is correct under DDP and resumes exactly."""
 
 import math
-import os
 import signal
-import subprocess
 
 import pytest
 import torch
 
-from conftest import run_main, tiny_overrides, torchrun_cmd, wait_for_line
+from conftest import run_main, start_main, tiny_gpt, tiny_overrides, wait_for_line
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.metrics import MetricsLog
 from model import GPT, GPTConfig, rotate, Rotary
@@ -21,8 +19,7 @@ V, T = 13, 16
 
 
 def tiny(**switches) -> GPT:
-    torch.manual_seed(0)
-    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=V, block_size=T, **switches))
+    return tiny_gpt(vocab_size=V, block_size=T, **switches)  # the test models' tiny GPT, at this file's V, T
 
 
 SWITCHES = [{}, {"rotary": True}, {"qk_norm": True}, {"activation": "relu2"}, {"zero_init_proj": True},
@@ -148,9 +145,18 @@ def muon_run(shakespeare, run_dir, nproc, batch_size, max_steps) -> list[dict]:
     return MetricsLog.read(str(run_dir / "metrics.jsonl"))
 
 
+@pytest.fixture(scope="module")
+def muon_ddp(shakespeare, tmp_path_factory):
+    """A Muon run under DDP, 2 ranks x 4 windows, 30 steps saved every 10: the uninterrupted run the
+    resumed one is compared with. Returns its run directory and metrics records."""
+    run_dir = tmp_path_factory.mktemp("muon-ddp")
+    return run_dir, muon_run(shakespeare, run_dir, nproc=2, batch_size=4, max_steps=30)
+
+
 @pytest.mark.slow
 def test_muon_under_ddp_takes_the_single_process_steps_on_the_same_global_batch(shakespeare, tmp_path):
     """Every replica orthogonalises the same all-reduced gradient: 2 ranks x 4 windows = 1 process x 8."""
+    # 20 steps (not the 30 of muon_ddp): bf16 Newton-Schulz rounding differences grow with the steps.
     ddp = muon_run(shakespeare, tmp_path / "ddp", nproc=2, batch_size=4, max_steps=20)
     single = muon_run(shakespeare, tmp_path / "one", nproc=0, batch_size=8, max_steps=20)
     losses = [(a["train_loss"], b["train_loss"]) for a, b in zip(ddp, single) if "train_loss" in a]
@@ -162,13 +168,12 @@ def test_muon_under_ddp_takes_the_single_process_steps_on_the_same_global_batch(
 
 
 @pytest.mark.slow
-def test_muon_resumes_bitwise_exactly_and_refuses_adamw_on_its_snapshot(shakespeare, tmp_path):
+def test_muon_resumes_bitwise_exactly_and_refuses_adamw_on_its_snapshot(muon_ddp, shakespeare, tmp_path):
     """Stopped by SIGTERM after its step-10 snapshot and resumed, a Muon run under DDP equals one never stopped:
     the same losses, weights and momentum buffers, bit for bit (the momentum is in the snapshot)."""
-    straight = muon_run(shakespeare, tmp_path / "straight", nproc=2, batch_size=4, max_steps=30)
+    straight_dir, straight = muon_ddp
     args = muon_args(shakespeare, tmp_path / "resumed", nproc=2, batch_size=4, max_steps=30)
-    job = subprocess.Popen(torchrun_cmd(2, *args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    job = start_main(args, nproc=2)
     lines = wait_for_line(job, "snapshot | step 10")
     job.send_signal(signal.SIGTERM)  # torchrun forwards it: the ranks finish the step, save and exit
     log = "".join(lines) + job.communicate(timeout=60)[0]
@@ -176,7 +181,7 @@ def test_muon_resumes_bitwise_exactly_and_refuses_adamw_on_its_snapshot(shakespe
     resumed = muon_run(shakespeare, tmp_path / "resumed", nproc=2, batch_size=4, max_steps=30)
     assert [r["train_loss"] for r in straight if "train_loss" in r] == \
            [r["train_loss"] for r in resumed if "train_loss" in r]
-    a, b = (SnapshotStore(str(tmp_path / d / "snapshots")).load_latest() for d in ("straight", "resumed"))
+    a, b = (SnapshotStore(str(d / "snapshots")).load_latest() for d in (straight_dir, tmp_path / "resumed"))
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     momenta = [(k, v) for k, v in a["optimizer"]["state"].items() if "momentum_buffer" in v]
     assert momenta and all(torch.equal(v["momentum_buffer"], b["optimizer"]["state"][k]["momentum_buffer"])

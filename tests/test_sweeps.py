@@ -5,29 +5,25 @@ whatever process ran it."""
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import REPO, tiny_overrides
+from conftest import MAIN, start, sweep_jobs, sweep_overrides
+from conftest import sweep as run_sweep
 
 pytestmark = pytest.mark.slow
 
 
-def sweep(args: list[str], tmp_path: Path, env: dict | None = None, timeout: float = 300):
+def sweep(args: list[str], tmp_path: Path, env: dict | None = None):
     """python main.py --multirun ARGS, with its jobs under tmp_path/sweep; returns the finished process."""
-    cmd = [sys.executable, str(REPO / "main.py"), "--multirun", f"hydra.sweep.dir={tmp_path / 'sweep'}", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    return run_sweep(args, tmp_path / "sweep", env=env)
 
 
 def jobs(tmp_path: Path) -> dict[Path, list[dict]]:
-    """Each job directory of the sweep with its metrics records."""
-    return {p.parent: [json.loads(line) for line in p.read_text().splitlines()]
-            for p in sorted((tmp_path / "sweep").glob("*/metrics.jsonl"))}
+    return sweep_jobs(tmp_path / "sweep")
 
 
 def final_val_loss(records: list[dict]) -> float:
@@ -35,8 +31,7 @@ def final_val_loss(records: list[dict]) -> float:
 
 
 def tiny(shakespeare: Path, tmp_path: Path, **trainer) -> list[str]:
-    args = tiny_overrides(shakespeare, tmp_path, **{"max_steps": 10, **trainer})
-    return [a for a in args if not a.startswith("trainer_config.run_dir=")]  # each job has its own
+    return sweep_overrides(shakespeare, tmp_path, **{"max_steps": 10, **trainer})
 
 
 def test_joblib_runs_jobs_at_once_in_worker_processes_and_a_refused_one_fails_the_sweep(shakespeare, tmp_path):
@@ -78,9 +73,8 @@ def test_submitit_runs_each_job_as_a_slurm_job_and_a_preempted_one_resumes(shake
                 "hydra.launcher.timeout_min=60", "hydra.launcher.mem_gb=null", "hydra.launcher.cpus_per_task=1",
                 "optimizer_config.learning_rate=1e-3,8e-3",
                 *tiny(shakespeare, tmp_path, max_steps=300, save_every=100000, eval_every=100000)]
-        cmd = [sys.executable, str(REPO / "main.py"), "--multirun", f"hydra.sweep.dir={tmp_path / 'sweep'}", *args]
-        proc = subprocess.Popen(cmd, cwd=REPO, env={**cluster.env, "PYTHONUNBUFFERED": "1"},
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = start([sys.executable, MAIN, "--multirun", f"hydra.sweep.dir={tmp_path / 'sweep'}", *args],
+                     env={"SLURM_CONF": cluster.conf})
         logs = lambda: "".join(p.read_text() for p in (tmp_path / "submitit").glob("*_log.out"))  # noqa: E731
         wait_until(lambda: "| loss " in logs(), "a job to train", logs)
         first = cluster.run("squeue", "-h", "-o", "%i").split()[0]

@@ -6,16 +6,14 @@ import sys
 
 import pytest
 
-from conftest import REPO, free_port
+from conftest import REPO, main_command, run
 
 pytestmark = pytest.mark.slow
 TUTORIALS = REPO / "tutorials"
 
 
 def torchrun(script: str, nproc: int) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "--master_port", str(free_port()), str(TUTORIALS / script)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=REPO)
+    result = run(main_command(nproc, [], script=TUTORIALS / script, torchrun=True), timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
