@@ -58,6 +58,8 @@ def recipe_shape(overrides: list[str]) -> tuple:
     job = to_job(compose(overrides))
     g, t = job.gpt_config, job.trainer_config
     return g.n_layer, g.n_head, g.n_embd, job.data_config.block_size, t.batch_size, g.dropout
+
+
 # name: (processes, trainer_config overrides)
 CPU_MODES = [
     ("single process", 1, {"parallel": "none"}),
@@ -81,7 +83,10 @@ SMOKE_MODES = [("single process", 1, {"parallel": "none"}), ("DDP x2", 2, {"para
 def peak_gflops(dtype: torch.dtype, n: int) -> float:
     """The best of a few n x n matmuls in this precision, using every core (or the GPU)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
+    a, b = (
+        torch.randn(n, n, dtype=dtype, device=device),
+        torch.randn(n, n, dtype=dtype, device=device),
+    )
     best = float("inf")
     for _ in range(5):
         if device == "cuda":
@@ -100,23 +105,49 @@ def flops_per_token(recipe: tuple, vocab: int) -> int:
     meta device: shapes only, no memory, no initialisation cost, even for GPT-2 sizes."""
     n_layer, n_head, n_embd, block_size = recipe[:4]
     with torch.device("meta"):
-        model = GPT(GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, bias=False, vocab_size=vocab,
-                              block_size=block_size))
+        model = GPT(
+            GPTConfig(
+                n_layer=n_layer,
+                n_head=n_head,
+                n_embd=n_embd,
+                bias=False,
+                vocab_size=vocab,
+                block_size=block_size,
+            )
+        )
     return model.flops_per_token()
 
 
-def run_mode(name: str, nproc: int, overrides: dict, recipe: tuple, steps: int, log_every: int, data: str,
-             workdir: str) -> dict:
+def run_mode(
+    name: str,
+    nproc: int,
+    overrides: dict,
+    recipe: tuple,
+    steps: int,
+    log_every: int,
+    data: str,
+    workdir: str,
+) -> dict:
     n_layer, n_head, n_embd, block, global_batch, dropout = recipe
     run_dir = os.path.join(workdir, "".join(c if c.isalnum() else "_" for c in name))
     settings = {
-        "data_config.path": data, "data_config.block_size": block,
-        "gpt_config.n_layer": n_layer, "gpt_config.n_head": n_head, "gpt_config.n_embd": n_embd,
-        "gpt_config.dropout": dropout, "gpt_config.bias": False,
-        "trainer_config.batch_size": global_batch // nproc, "trainer_config.max_steps": steps,
-        "trainer_config.log_every": log_every, "trainer_config.eval_every": steps, "trainer_config.eval_iters": 1,
-        "trainer_config.sample_chars": 0, "trainer_config.save_every": steps // 2, "trainer_config.async_save": True,
-        "trainer_config.snapshot_path": f"{run_dir}/snapshots", "trainer_config.metrics_path": f"{run_dir}/metrics.jsonl",
+        "data_config.path": data,
+        "data_config.block_size": block,
+        "gpt_config.n_layer": n_layer,
+        "gpt_config.n_head": n_head,
+        "gpt_config.n_embd": n_embd,
+        "gpt_config.dropout": dropout,
+        "gpt_config.bias": False,
+        "trainer_config.batch_size": global_batch // nproc,
+        "trainer_config.max_steps": steps,
+        "trainer_config.log_every": log_every,
+        "trainer_config.eval_every": steps,
+        "trainer_config.eval_iters": 1,
+        "trainer_config.sample_chars": 0,
+        "trainer_config.save_every": steps // 2,
+        "trainer_config.async_save": True,
+        "trainer_config.snapshot_path": f"{run_dir}/snapshots",
+        "trainer_config.metrics_path": f"{run_dir}/metrics.jsonl",
         **{f"trainer_config.{k}": v for k, v in overrides.items()},
     }
     args = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in settings.items()]
@@ -124,51 +155,89 @@ def run_mode(name: str, nproc: int, overrides: dict, recipe: tuple, steps: int, 
     result = subprocess.run(main_command(nproc, args), capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if result.returncode != 0:
-        raise SystemExit(f"error: mode {name!r} failed (exit {result.returncode}):\n{result.stderr[-2000:]}")
+        raise SystemExit(
+            f"error: mode {name!r} failed (exit {result.returncode}):\n{result.stderr[-2000:]}"
+        )
     windows = MetricsLog.read(f"{run_dir}/metrics.jsonl")
-    saves = [e for e in MetricsLog.read(f"{run_dir}/metrics.jsonl", event="snapshot") if e["step"] < steps]
+    saves = [
+        e
+        for e in MetricsLog.read(f"{run_dir}/metrics.jsonl", event="snapshot")
+        if e["step"] < steps
+    ]
     steady = windows[1:] or windows
     ms = statistics.median(w["ms_per_step"] for w in steady)
     data_ms = statistics.median(w["data_ms"] for w in steady)
-    row = {"mode": name, "processes": nproc, "precision": "bf16" if overrides.get("use_amp") else "fp32",
-           "ms_per_step": round(ms, 2),
-           "tokens_per_sec": round(global_batch * block / ms * 1e3, 1), "data_pct": round(100 * data_ms / ms, 2),
-           "first_window_extra_s": round((windows[0]["ms_per_step"] - ms) * log_every / 1e3, 2),
-           "wall_s": round(wall, 1), "final_loss": windows[-1]["train_loss"]}
-    if saves:  # the window that contains the mid-run save (it happens right after its step is logged)
+    row = {
+        "mode": name,
+        "processes": nproc,
+        "precision": "bf16" if overrides.get("use_amp") else "fp32",
+        "ms_per_step": round(ms, 2),
+        "tokens_per_sec": round(global_batch * block / ms * 1e3, 1),
+        "data_pct": round(100 * data_ms / ms, 2),
+        "first_window_extra_s": round((windows[0]["ms_per_step"] - ms) * log_every / 1e3, 2),
+        "wall_s": round(wall, 1),
+        "final_loss": windows[-1]["train_loss"],
+    }
+    if (
+        saves
+    ):  # the window that contains the mid-run save (it happens right after its step is logged)
         after = next((w for w in windows if w["step"] > saves[0]["step"]), None)
         cost_ms = max(0.0, (after["ms_per_step"] - ms) * log_every) if after else 0.0
-        row.update(snapshot_blocked_ms=saves[0]["stall_ms"], snapshot_cost_ms=round(cost_ms, 1),
-                   snapshot_cost_steps=round(cost_ms / ms, 2))
+        row.update(
+            snapshot_blocked_ms=saves[0]["stall_ms"],
+            snapshot_cost_ms=round(cost_ms, 1),
+            snapshot_cost_steps=round(cost_ms / ms, 2),
+        )
     return row
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| mode | ms/step | tokens/s | MFU | data % | snapshot blocked / cost | first-window extra |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| mode | ms/step | tokens/s | MFU | data % | snapshot blocked / cost | first-window extra |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        snap = (f"{r['snapshot_blocked_ms']:.0f} ms / {r['snapshot_cost_steps']:.2f} steps"
-                if "snapshot_blocked_ms" in r else "-")
+        snap = (
+            f"{r['snapshot_blocked_ms']:.0f} ms / {r['snapshot_cost_steps']:.2f} steps"
+            if "snapshot_blocked_ms" in r
+            else "-"
+        )
         peak = "" if r["precision"] == "fp32" else f" of {r['precision']} peak"
-        lines.append(f"| {r['mode']} | {r['ms_per_step']:.1f} | {r['tokens_per_sec'] / 1e3:.1f}k | "
-                     f"{100 * r['mfu']:.1f}%{peak} | {r['data_pct']:.2f} | {snap} | {r['first_window_extra_s']:.1f} s |")
+        lines.append(
+            f"| {r['mode']} | {r['ms_per_step']:.1f} | {r['tokens_per_sec'] / 1e3:.1f}k | "
+            f"{100 * r['mfu']:.1f}%{peak} | {r['data_pct']:.2f} | {snap} | {r['first_window_extra_s']:.1f} s |"
+        )
     return "\n".join(lines)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--data", default=os.path.join(REPO, "data", "tinyshakespeare", "input.txt"))
-    parser.add_argument("--recipe", choices=RECIPES, default="nanogpt-cpu", help="a recipe=... config group option")
+    parser.add_argument(
+        "--data", default=os.path.join(REPO, "data", "tinyshakespeare", "input.txt")
+    )
+    parser.add_argument(
+        "--recipe", choices=RECIPES, default="nanogpt-cpu", help="a recipe=... config group option"
+    )
     parser.add_argument("--steps", type=int, default=120, help="optimizer steps per mode")
     parser.add_argument("--log-every", type=int, default=10, help="steps per timed window")
-    parser.add_argument("--modes", default="", help="comma-separated substrings: run only the modes that match")
-    parser.add_argument("--peak-gflops", type=float, default=0.0, help="the device's peak (default: measured)")
-    parser.add_argument("--smoke", action="store_true", help="a tiny model, a few steps, two modes (for CI)")
+    parser.add_argument(
+        "--modes", default="", help="comma-separated substrings: run only the modes that match"
+    )
+    parser.add_argument(
+        "--peak-gflops", type=float, default=0.0, help="the device's peak (default: measured)"
+    )
+    parser.add_argument(
+        "--smoke", action="store_true", help="a tiny model, a few steps, two modes (for CI)"
+    )
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "bench.json"))
-    parser.add_argument("--chart", default="", help="PNG to write (default: the --out path with .png)")
+    parser.add_argument(
+        "--chart", default="", help="PNG to write (default: the --out path with .png)"
+    )
     args = parser.parse_args()
     if not os.path.exists(args.data):
-        sys.exit(f"error: no corpus at {args.data}; run python data/fetch_shakespeare.py or pass --data")
+        sys.exit(
+            f"error: no corpus at {args.data}; run python data/fetch_shakespeare.py or pass --data"
+        )
     recipe_name = "smoke" if args.smoke else args.recipe
     recipe = recipe_shape(SMOKE if args.smoke else [f"recipe={args.recipe}"])
     steps, log_every = (8, 2) if args.smoke else (args.steps, args.log_every)
@@ -178,34 +247,57 @@ def main() -> int:
         modes = [m for m in modes if any(w in m[0] for w in wanted)]
 
     if not modes:
-        sys.exit(f"error: --modes {args.modes!r} matches none of: {', '.join(m[0] for m in CPU_MODES + GPU_MODES)}")
+        sys.exit(
+            f"error: --modes {args.modes!r} matches none of: {', '.join(m[0] for m in CPU_MODES + GPU_MODES)}"
+        )
     if steps < 3 * log_every:
-        sys.exit(f"error: --steps must be at least 3 x --log-every ({3 * log_every}): the first window (start-up, "
-                 "compilation) is left out, and the snapshot needs a window of its own")
+        sys.exit(
+            f"error: --steps must be at least 3 x --log-every ({3 * log_every}): the first window (start-up, "
+            "compilation) is left out, and the snapshot needs a window of its own"
+        )
     hw = hardware()
     size = 512 if args.smoke else 4096 if torch.cuda.is_available() else 2048
-    peaks = {"fp32": args.peak_gflops or peak_gflops(torch.float32, size),
-             "bf16": args.peak_gflops or peak_gflops(torch.bfloat16, size)}
+    peaks = {
+        "fp32": args.peak_gflops or peak_gflops(torch.float32, size),
+        "bf16": args.peak_gflops or peak_gflops(torch.bfloat16, size),
+    }
     vocab = len(set(open(args.data, encoding="utf-8").read()))
     fpt = flops_per_token(recipe, vocab)
-    print(f"bench | {hw['device']} | {hw.get('cores', hw.get('gpus'))} {'cores' if 'cores' in hw else 'GPUs'} | "
-          f"torch {hw['torch']} | matmul peak fp32 {peaks['fp32']:.0f} / bf16 {peaks['bf16']:.0f} GFLOP/s")
-    print(f"bench | recipe {recipe_name}: {recipe[0]} layers x {recipe[1]} heads x {recipe[2]} wide, "
-          f"context {recipe[3]}, global batch {recipe[4]} | {fpt / 1e6:.2f} MFLOP/token | {steps} steps per mode")
+    print(
+        f"bench | {hw['device']} | {hw.get('cores', hw.get('gpus'))} {'cores' if 'cores' in hw else 'GPUs'} | "
+        f"torch {hw['torch']} | matmul peak fp32 {peaks['fp32']:.0f} / bf16 {peaks['bf16']:.0f} GFLOP/s"
+    )
+    print(
+        f"bench | recipe {recipe_name}: {recipe[0]} layers x {recipe[1]} heads x {recipe[2]} wide, "
+        f"context {recipe[3]}, global batch {recipe[4]} | {fpt / 1e6:.2f} MFLOP/token | {steps} steps per mode"
+    )
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-") as workdir:
         for name, nproc, overrides in modes:
             row = run_mode(name, nproc, overrides, recipe, steps, log_every, args.data, workdir)
             row["mfu"] = round(row["tokens_per_sec"] * fpt / (peaks[row["precision"]] * 1e9), 4)
             rows.append(row)
-            print(f"bench | {name} | {row['ms_per_step']:.1f} ms/step | {row['tokens_per_sec'] / 1e3:.1f}k tok/s | "
-                  f"MFU {100 * row['mfu']:.1f}% | data {row['data_pct']:.2f}%", flush=True)
+            print(
+                f"bench | {name} | {row['ms_per_step']:.1f} ms/step | {row['tokens_per_sec'] / 1e3:.1f}k tok/s | "
+                f"MFU {100 * row['mfu']:.1f}% | data {row['data_pct']:.2f}%",
+                flush=True,
+            )
     table = markdown_table(rows)
     print(table)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"hardware": hw, "peak_gflops": peaks, "recipe": recipe_name, "flops_per_token": fpt,
-                   "steps": steps, "rows": rows}, f, indent=1)
+        json.dump(
+            {
+                "hardware": hw,
+                "peak_gflops": peaks,
+                "recipe": recipe_name,
+                "flops_per_token": fpt,
+                "steps": steps,
+                "rows": rows,
+            },
+            f,
+            indent=1,
+        )
     chart = args.chart or os.path.splitext(args.out)[0] + ".png"
     try:
         import matplotlib  # noqa: F401
@@ -214,8 +306,12 @@ def main() -> int:
         return 0
     from plot import plot_benchmark
 
-    plot_benchmark(rows, chart, f"{recipe_name} recipe on {hw['device'].split(' (')[0]}, "
-                                f"{hw.get('cores', hw.get('gpus'))} {'cores' if 'cores' in hw else 'GPUs'}")
+    plot_benchmark(
+        rows,
+        chart,
+        f"{recipe_name} recipe on {hw['device'].split(' (')[0]}, "
+        f"{hw.get('cores', hw.get('gpus'))} {'cores' if 'cores' in hw else 'GPUs'}",
+    )
     print(f"bench | wrote {args.out} and {chart}")
     return 0
 

@@ -28,14 +28,30 @@ from common import main_command, start, worker_pid
 
 def trial(i: int, rng: random.Random, args, run_dir: str) -> dict:
     kill_rank, kill_step = rng.randrange(args.nproc), rng.randrange(2, args.max_steps - 1)
-    overrides = [f"data_config.path={args.data}", "gpt_config.n_layer=2", "gpt_config.n_head=2",
-                 "gpt_config.n_embd=64", "data_config.block_size=64", "trainer_config.batch_size=8",
-                 f"trainer_config.max_steps={args.max_steps}", f"trainer_config.save_every={args.save_every}",
-                 "trainer_config.log_every=1", "trainer_config.eval_every=100000", "trainer_config.sample_chars=0",
-                 "trainer_config.eval_iters=1", f"trainer_config.snapshot_path={run_dir}/snapshots",
-                 f"trainer_config.metrics_path={run_dir}/metrics.jsonl"]
+    overrides = [
+        f"data_config.path={args.data}",
+        "gpt_config.n_layer=2",
+        "gpt_config.n_head=2",
+        "gpt_config.n_embd=64",
+        "data_config.block_size=64",
+        "trainer_config.batch_size=8",
+        f"trainer_config.max_steps={args.max_steps}",
+        f"trainer_config.save_every={args.save_every}",
+        "trainer_config.log_every=1",
+        "trainer_config.eval_every=100000",
+        "trainer_config.sample_chars=0",
+        "trainer_config.eval_iters=1",
+        f"trainer_config.snapshot_path={run_dir}/snapshots",
+        f"trainer_config.metrics_path={run_dir}/metrics.jsonl",
+    ]
     job = start(main_command(args.nproc, overrides, ("--max-restarts=3", "--monitor-interval=0.5")))
-    killed_at, last_step_before, recovered_at, resumed_from, finished_step = None, 0, None, None, None
+    killed_at, last_step_before, recovered_at, resumed_from, finished_step = (
+        None,
+        0,
+        None,
+        None,
+        None,
+    )
     last_snapshot = 0  # newest snapshot committed before the kill
     for line in job.stdout:
         now = time.monotonic()
@@ -58,13 +74,18 @@ def trial(i: int, rng: random.Random, args, run_dir: str) -> dict:
         if line.startswith("done | step "):
             finished_step = int(line.split()[3])
     job.wait()
-    return {"trial": i, "kill_rank": kill_rank, "kill_after_step": last_step_before, "exit_code": job.returncode,
-            "finished": job.returncode == 0 and finished_step == args.max_steps,
-            "resumed_from": resumed_from,
-            "steps_lost": None if resumed_from is None else last_step_before - resumed_from,
-            "last_snapshot_before_kill": last_snapshot,
-            "steps_since_snapshot": last_step_before - last_snapshot,
-            "recover_s": None if recovered_at is None else round(recovered_at - killed_at, 2)}
+    return {
+        "trial": i,
+        "kill_rank": kill_rank,
+        "kill_after_step": last_step_before,
+        "exit_code": job.returncode,
+        "finished": job.returncode == 0 and finished_step == args.max_steps,
+        "resumed_from": resumed_from,
+        "steps_lost": None if resumed_from is None else last_step_before - resumed_from,
+        "last_snapshot_before_kill": last_snapshot,
+        "steps_since_snapshot": last_step_before - last_snapshot,
+        "recover_s": None if recovered_at is None else round(recovered_at - killed_at, 2),
+    }
 
 
 def main() -> int:
@@ -87,7 +108,9 @@ def main() -> int:
     summary = {
         "trials": len(rows),
         "jobs_finished": sum(r["finished"] for r in rows),
-        "steps_lost_equals_steps_since_snapshot": sum(r["steps_lost"] == r["steps_since_snapshot"] for r in rows),
+        "steps_lost_equals_steps_since_snapshot": sum(
+            r["steps_lost"] == r["steps_since_snapshot"] for r in rows
+        ),
         "mean_steps_lost": round(statistics.mean(r["steps_lost"] or 0 for r in rows), 2),
         "recover_s_median": round(statistics.median(recover), 2) if recover else None,
         "recover_s_max": max(recover) if recover else None,

@@ -64,6 +64,7 @@ def tiny_overrides(data, run_dir, **trainer) -> list[str]:
 def tiny_gpt(vocab_size: int = 11, block_size: int = 8, **switches):
     """The tiny GPT the in-process tests build (2 layers, 2 heads, width 16), seeded."""
     import torch
+
     from model import GPT, GPTConfig
 
     torch.manual_seed(0)
@@ -323,6 +324,7 @@ def hardware() -> dict:
     instruction sets that decide its speed here (AVX-512, native bf16: AVX-512 BF16 and AMX). Like
     every script here, its caller has put REPO on sys.path."""
     import torch
+
     from mingpt_ddp.parallel.plan import cpu_flags
 
     if torch.cuda.is_available():

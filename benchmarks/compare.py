@@ -32,16 +32,30 @@ sys.path.insert(0, REPO)
 # What `pip install horovod==0.28.1` (its newest release, 2023) did here, with HOROVOD_WITH_PYTORCH=1
 # HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 against torch 2.13: its common and gloo parts compiled, then
 # its PyTorch extension, which Horovod compiles with -std=c++14, stopped at torch's headers.
-HOROVOD = ("does not build against torch 2.13: \"torch/all.h: error: #error C++17 or later compatible "
-           "compiler is required to use PyTorch\" (Horovod 0.28.1 compiles with -std=c++14)")
+HOROVOD = (
+    'does not build against torch 2.13: "torch/all.h: error: #error C++17 or later compatible '
+    'compiler is required to use PyTorch" (Horovod 0.28.1 compiles with -std=c++14)'
+)
 
 # (the notes' row, its minutes there, what runs here, how it is launched, overrides)
 ROWS = [
     ("single GPU", 2.83, "one process", "python", ["parallel=none"]),
-    ("DataParallel", 2.03, "star all-reduce via rank 0 (DataParallel's pattern)", "torchrun", ["parallel=ddp-star"]),
+    (
+        "DataParallel",
+        2.03,
+        "star all-reduce via rank 0 (DataParallel's pattern)",
+        "torchrun",
+        ["parallel=ddp-star"],
+    ),
     ("DDP, torchrun", 1.41, "DDP", "torchrun", ["parallel=ddp"]),
     ("DDP, mp.spawn", 1.49, "DDP, tutorials/spawn_launch.py", "spawn", ["parallel=ddp"]),
-    ("DDP + AMP", 0.63, "DDP + bf16 autocast", "torchrun", ["parallel=ddp", "trainer_config.use_amp=true"]),
+    (
+        "DDP + AMP",
+        0.63,
+        "DDP + bf16 autocast",
+        "torchrun",
+        ["parallel=ddp", "trainer_config.use_amp=true"],
+    ),
     ("Horovod", 5.12, "Horovod", "horovod", []),
     ("DeepSpeed", 1.01, "DeepSpeed ZeRO-1", "torchrun", ["parallel=zero1"]),
     ("DeepSpeed", 1.01, "DeepSpeed ZeRO-2", "torchrun", ["parallel=zero2"]),
@@ -67,15 +81,47 @@ def command(launcher: str, nproc: int, args: list[str]) -> tuple[list[str], dict
     if launcher == "torchrun":
         return main_command(nproc, args, torchrun=True), {}
     if launcher == "spawn":
-        return [py, os.path.join(REPO, "tutorials", "spawn_launch.py"), "--nproc", str(nproc), *args], {}
+        return [
+            py,
+            os.path.join(REPO, "tutorials", "spawn_launch.py"),
+            "--nproc",
+            str(nproc),
+            *args,
+        ], {}
     if launcher == "deepspeed":  # --no_local_rank: main.py reads LOCAL_RANK from the environment
-        return [py, "-m", "deepspeed.launcher.runner", "--num_accelerators", str(nproc), "--no_local_rank",
-                "--master_port", port, main_py, *args], {"DS_ACCELERATOR": "cpu" if "trainer_config.device=cpu" in args
-                                                          else "cuda"}
-    if launcher == "accelerate":  # --multi_gpu is the mode that starts several ranks (through torchrun)
-        return [py, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                "--main_process_port", port, main_py, *args], {}
+        return [
+            py,
+            "-m",
+            "deepspeed.launcher.runner",
+            "--num_accelerators",
+            str(nproc),
+            "--no_local_rank",
+            "--master_port",
+            port,
+            main_py,
+            *args,
+        ], {"DS_ACCELERATOR": "cpu" if "trainer_config.device=cpu" in args else "cuda"}
+    if (
+        launcher == "accelerate"
+    ):  # --multi_gpu is the mode that starts several ranks (through torchrun)
+        return [
+            py,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            str(nproc),
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            port,
+            main_py,
+            *args,
+        ], {}
     raise ValueError(launcher)
 
 
@@ -87,51 +133,93 @@ def run_row(row: tuple, nproc: int, workload: tuple, data: str, device: str, wor
     if launcher == "horovod":
         return {**out, "skipped": HOROVOD}
     run_dir = os.path.join(workdir, re.sub(r"\W+", "_", what))
-    args = [*base, *overrides, f"data_config.path={data}", f"data_config.cache_dir={workdir}/prepared",
-            f"trainer_config.device={device}", f"trainer_config.batch_size={per_rank_batch * nproc // ranks}",
-            f"trainer_config.max_steps={steps}", f"trainer_config.log_every={max(1, steps // 5)}",
-            f"trainer_config.eval_every={steps}", "trainer_config.eval_iters=2", "trainer_config.sample_chars=0",
-            f"trainer_config.save_every={steps}", f"trainer_config.run_dir={run_dir}"]
+    args = [
+        *base,
+        *overrides,
+        f"data_config.path={data}",
+        f"data_config.cache_dir={workdir}/prepared",
+        f"trainer_config.device={device}",
+        f"trainer_config.batch_size={per_rank_batch * nproc // ranks}",
+        f"trainer_config.max_steps={steps}",
+        f"trainer_config.log_every={max(1, steps // 5)}",
+        f"trainer_config.eval_every={steps}",
+        "trainer_config.eval_iters=2",
+        "trainer_config.sample_chars=0",
+        f"trainer_config.save_every={steps}",
+        f"trainer_config.run_dir={run_dir}",
+    ]
     cmd, env = command(launcher, nproc, args)
     t0 = time.perf_counter()
     result = run(cmd, env=env, timeout=None)
     wall = time.perf_counter() - t0
-    done = re.search(r"done \| step (\d+) .*peak memory per rank (\d+) MiB host(?:, (\d+) MiB GPU)?", result.stdout)
+    done = re.search(
+        r"done \| step (\d+) .*peak memory per rank (\d+) MiB host(?:, (\d+) MiB GPU)?",
+        result.stdout,
+    )
     if result.returncode != 0 or not done:
-        return {**out, "skipped": f"failed (exit {result.returncode}): {(result.stderr or result.stdout)[-300:]}"}
-    tokens = int(re.search(r"= (\d+) tokens \| steps", result.stdout).group(1)) * steps  # per step x steps
+        return {
+            **out,
+            "skipped": f"failed (exit {result.returncode}): {(result.stderr or result.stdout)[-300:]}",
+        }
+    tokens = (
+        int(re.search(r"= (\d+) tokens \| steps", result.stdout).group(1)) * steps
+    )  # per step x steps
     loss = re.findall(r"eval \| step \d+ \| val loss ([\d.]+)", result.stdout)
-    return {**out, "wall_s": round(wall, 1), "tokens": tokens, "tokens_per_s": round(tokens / wall),
-            "peak_host_mib": int(done.group(2)),
-            "peak_gpu_mib": int(done.group(3)) if done.group(3) else None,
-            "val_loss": float(loss[-1]) if loss else None}
+    return {
+        **out,
+        "wall_s": round(wall, 1),
+        "tokens": tokens,
+        "tokens_per_s": round(tokens / wall),
+        "peak_host_mib": int(done.group(2)),
+        "peak_gpu_mib": int(done.group(3)) if done.group(3) else None,
+        "val_loss": float(loss[-1]) if loss else None,
+    }
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| the notes' row (their minutes) | here | ranks | launch to exit, s | tokens/s, end to end | "
-             "peak memory per rank, MiB | val loss |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| the notes' row (their minutes) | here | ranks | launch to exit, s | tokens/s, end to end | "
+        "peak memory per rank, MiB | val loss |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         notes = f"{r['notes_row']} ({r['notes_minutes']})" if r["notes_minutes"] else r["notes_row"]
         if "skipped" in r:
             lines.append(f"| {notes} | {r['here']} | - | {r['skipped']} | - | - | - |")
             continue
-        mem = f"{r['peak_host_mib']}" + (f" host, {r['peak_gpu_mib']} GPU" if r["peak_gpu_mib"] else "")
-        lines.append(f"| {notes} | {r['here']} | {r['ranks']} | {r['wall_s']:.1f} | {r['tokens_per_s']:,} | {mem} | "
-                     f"{r['val_loss']:.4f} |")
+        mem = f"{r['peak_host_mib']}" + (
+            f" host, {r['peak_gpu_mib']} GPU" if r["peak_gpu_mib"] else ""
+        )
+        lines.append(
+            f"| {notes} | {r['here']} | {r['ranks']} | {r['wall_s']:.1f} | {r['tokens_per_s']:,} | {mem} | "
+            f"{r['val_loss']:.4f} |"
+        )
     return "\n".join(lines)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--data", default=os.path.join(REPO, "data", "tinyshakespeare", "input.txt"))
-    parser.add_argument("--gpu", action="store_true", help="a rank per GPU and nanoGPT's GPU recipe (bf16)")
-    parser.add_argument("--nproc", type=int, default=2, help="ranks in the multi-process rows (CPU)")
-    parser.add_argument("--rows", default="", help="comma-separated substrings of the 'here' column: run only those")
+    parser.add_argument(
+        "--data", default=os.path.join(REPO, "data", "tinyshakespeare", "input.txt")
+    )
+    parser.add_argument(
+        "--gpu", action="store_true", help="a rank per GPU and nanoGPT's GPU recipe (bf16)"
+    )
+    parser.add_argument(
+        "--nproc", type=int, default=2, help="ranks in the multi-process rows (CPU)"
+    )
+    parser.add_argument(
+        "--rows", default="", help="comma-separated substrings of the 'here' column: run only those"
+    )
     parser.add_argument("--smoke", action="store_true", help="a tiny model, 10 steps (for CI)")
-    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "compare.json"))
+    parser.add_argument(
+        "--out", default=os.path.join(REPO, "benchmarks", "results", "compare.json")
+    )
     args = parser.parse_args()
     if not os.path.exists(args.data):
-        sys.exit(f"error: no corpus at {args.data}; run python data/fetch_shakespeare.py or pass --data")
+        sys.exit(
+            f"error: no corpus at {args.data}; run python data/fetch_shakespeare.py or pass --data"
+        )
     import torch
 
     if args.gpu:
@@ -140,29 +228,62 @@ def main() -> int:
             sys.exit("error: --gpu on a machine without a CUDA GPU")
     else:
         nproc, device, workload = args.nproc, "cpu", WORKLOADS["smoke" if args.smoke else "cpu"]
-    rows = [r for r in ROWS if not args.rows or any(w.strip() in r[2] for w in args.rows.split(","))]
+    rows = [
+        r for r in ROWS if not args.rows or any(w.strip() in r[2] for w in args.rows.split(","))
+    ]
     if not rows:
         sys.exit(f"error: --rows {args.rows!r} matches none of: {', '.join(r[2] for r in ROWS)}")
     hw = hardware()["device"]
-    print(f"compare | {hw} | {os.cpu_count()} cores | torch {torch.__version__} | {nproc} ranks per row | "
-          f"{' '.join(workload[0])}, {workload[1]} windows per rank, {workload[2]} steps", flush=True)
+    print(
+        f"compare | {hw} | {os.cpu_count()} cores | torch {torch.__version__} | {nproc} ranks per row | "
+        f"{' '.join(workload[0])}, {workload[1]} windows per rank, {workload[2]} steps",
+        flush=True,
+    )
     results = []
     with tempfile.TemporaryDirectory(prefix="compare-") as workdir:
         zero_rows = [r for r in rows if any(o.startswith("parallel=zero") for o in r[4])]
-        if zero_rows:  # DeepSpeed's first use on a machine compiles an op (about a minute): not part of a row
-            print("compare | warm-up, not timed: one short DeepSpeed run (its first use compiles a shared-memory op)",
-                  flush=True)
-            run_row(zero_rows[0], nproc, (workload[0], workload[1], 2), args.data, device, workdir + "/warm-up")
+        if (
+            zero_rows
+        ):  # DeepSpeed's first use on a machine compiles an op (about a minute): not part of a row
+            print(
+                "compare | warm-up, not timed: one short DeepSpeed run (its first use compiles a shared-memory op)",
+                flush=True,
+            )
+            run_row(
+                zero_rows[0],
+                nproc,
+                (workload[0], workload[1], 2),
+                args.data,
+                device,
+                workdir + "/warm-up",
+            )
         for row in rows:
             results.append(run_row(row, nproc, workload, args.data, device, workdir))
             r = results[-1]
-            print(f"compare | {r['here']} | " + (r["skipped"] if "skipped" in r else
-                  f"{r['wall_s']:.1f} s | peak {r['peak_host_mib']} MiB per rank"), flush=True)
+            print(
+                f"compare | {r['here']} | "
+                + (
+                    r["skipped"]
+                    if "skipped" in r
+                    else f"{r['wall_s']:.1f} s | peak {r['peak_host_mib']} MiB per rank"
+                ),
+                flush=True,
+            )
     print(markdown_table(results))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"device": hw, "cores": os.cpu_count(), "torch": torch.__version__, "ranks": nproc,
-                   "workload": workload, "rows": results}, f, indent=1)
+        json.dump(
+            {
+                "device": hw,
+                "cores": os.cpu_count(),
+                "torch": torch.__version__,
+                "ranks": nproc,
+                "workload": workload,
+                "rows": results,
+            },
+            f,
+            indent=1,
+        )
     return 0 if all("skipped" not in r or r["here"] == "Horovod" for r in results) else 1
 
 

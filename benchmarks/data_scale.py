@@ -60,7 +60,9 @@ def make_corpus(path: str, kind: str, size: int, shakespeare: str) -> None:
             weights = [1.0 / (i + 1) for i in range(len(chars))]
             written = 0
             while written < size:
-                piece = "".join(rng.choices(chars, weights, k=min(1_000_000, (size - written) // 3 + 1))).encode()
+                piece = "".join(
+                    rng.choices(chars, weights, k=min(1_000_000, (size - written) // 3 + 1))
+                ).encode()
                 f.write(piece)
                 written += len(piece)
     os.replace(path + ".tmp", path)
@@ -68,12 +70,19 @@ def make_corpus(path: str, kind: str, size: int, shakespeare: str) -> None:
 
 def prepare(corpus: str, cache: str) -> dict:
     """prepare.py in a fresh process; it reports its own time and peak RSS."""
-    code = ("import json, resource, sys, time; sys.path.insert(0, sys.argv[1]); from mingpt_ddp.corpus import prepare; t0 = time.perf_counter(); "
-            "p = prepare.ensure_prepared(sys.argv[2], sys.argv[3], log=lambda _: None); "
-            "print(json.dumps({'seconds': time.perf_counter() - t0, 'peak_rss_mb': resource.getrusage("
-            "resource.RUSAGE_SELF).ru_maxrss / 1024, 'tokens': p.meta['num_tokens'], 'dtype': p.meta['dtype'], "
-            "'vocab': p.meta['vocab_size']}))")
-    out = subprocess.run([sys.executable, "-c", code, REPO, corpus, cache], capture_output=True, text=True, check=True)
+    code = (
+        "import json, resource, sys, time; sys.path.insert(0, sys.argv[1]); from mingpt_ddp.corpus import prepare; t0 = time.perf_counter(); "
+        "p = prepare.ensure_prepared(sys.argv[2], sys.argv[3], log=lambda _: None); "
+        "print(json.dumps({'seconds': time.perf_counter() - t0, 'peak_rss_mb': resource.getrusage("
+        "resource.RUSAGE_SELF).ru_maxrss / 1024, 'tokens': p.meta['num_tokens'], 'dtype': p.meta['dtype'], "
+        "'vocab': p.meta['vocab_size']}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, REPO, corpus, cache],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout)
 
 
@@ -103,10 +112,18 @@ def workers(launcher_pid: int) -> list[int]:
 
 
 def train(corpus: str, cache: str, run_dir: str, nproc: int, steps: int, model: list[str]) -> dict:
-    overrides = [f"data_config.path={corpus}", f"data_config.cache_dir={cache}",
-                 f"trainer_config.snapshot_path={run_dir}/snapshots", f"trainer_config.metrics_path={run_dir}/metrics.jsonl",
-                 f"trainer_config.max_steps={steps}", "trainer_config.log_every=1", f"trainer_config.eval_every={steps}",
-                 f"trainer_config.save_every={steps}", "trainer_config.sample_chars=0", *model]
+    overrides = [
+        f"data_config.path={corpus}",
+        f"data_config.cache_dir={cache}",
+        f"trainer_config.snapshot_path={run_dir}/snapshots",
+        f"trainer_config.metrics_path={run_dir}/metrics.jsonl",
+        f"trainer_config.max_steps={steps}",
+        "trainer_config.log_every=1",
+        f"trainer_config.eval_every={steps}",
+        f"trainer_config.save_every={steps}",
+        "trainer_config.sample_chars=0",
+        *model,
+    ]
     t0 = time.perf_counter()
     proc = start(main_command(nproc, overrides), cwd=run_dir)
     lines, first_step = [], []
@@ -135,11 +152,17 @@ def train(corpus: str, cache: str, run_dir: str, nproc: int, steps: int, model: 
         raise RuntimeError(f"training on {corpus} failed:\n{output[-3000:]}")
     records = MetricsLog.read(os.path.join(run_dir, "metrics.jsonl"))
     ms = [r["ms_per_step"] for r in records]
-    return {"launch_to_first_step_s": round(first_step[0], 2), "first_step_ms": ms[0],
-            "steady_ms_per_step": round(statistics.median(ms[len(ms) // 4:]), 1),
-            "data_ms_per_step": round(statistics.median(r["data_ms"] for r in records[len(ms) // 4:]), 3),
-            "peak_rss_mb_per_rank": round(max(p[0] for p in peaks.values()) / 1024, 1),
-            "peak_pss_mb_per_rank": round(max(p[1] for p in peaks.values()) / 1024, 1), "ranks_seen": len(peaks)}
+    return {
+        "launch_to_first_step_s": round(first_step[0], 2),
+        "first_step_ms": ms[0],
+        "steady_ms_per_step": round(statistics.median(ms[len(ms) // 4 :]), 1),
+        "data_ms_per_step": round(
+            statistics.median(r["data_ms"] for r in records[len(ms) // 4 :]), 3
+        ),
+        "peak_rss_mb_per_rank": round(max(p[0] for p in peaks.values()) / 1024, 1),
+        "peak_pss_mb_per_rank": round(max(p[1] for p in peaks.values()) / 1024, 1),
+        "ranks_seen": len(peaks),
+    }
 
 
 def reader_growth(tokens_path: str, windows: int = 20_000, length: int = 65) -> dict:
@@ -162,8 +185,12 @@ print(rss() - before)
 """
     out = {}
     for how in ("mmap", "pread"):
-        result = subprocess.run([sys.executable, "-c", code, tokens_path, how, str(windows), str(length)],
-                                capture_output=True, text=True, check=True)
+        result = subprocess.run(
+            [sys.executable, "-c", code, tokens_path, how, str(windows), str(length)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         out[f"{how}_rss_growth_mb"] = round(float(result.stdout), 1)
     out["windows"] = windows
     return out
@@ -171,11 +198,19 @@ print(rss() - before)
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", default=SHAKESPEARE, help="tiny Shakespeare, repeated to make the ASCII corpora")
-    p.add_argument("--work", default="", help="where corpora and prepared copies go (default: a temporary directory)")
+    p.add_argument(
+        "--data", default=SHAKESPEARE, help="tiny Shakespeare, repeated to make the ASCII corpora"
+    )
+    p.add_argument(
+        "--work",
+        default="",
+        help="where corpora and prepared copies go (default: a temporary directory)",
+    )
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--smoke", action="store_true", help="1 MB and 3 MB corpora, 2 ranks, a tiny model (for CI)")
+    p.add_argument(
+        "--smoke", action="store_true", help="1 MB and 3 MB corpora, 2 ranks, a tiny model (for CI)"
+    )
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "data_scale.json"))
     args = p.parse_args()
     if args.smoke:
@@ -183,7 +218,12 @@ def main() -> int:
         nproc, steps = 2, 6
         model = [f"{k}={v}" for k, v in TINY_MODEL.items()]  # the tests' tiny model
     else:
-        corpora = [("ascii", 1_000_000), ("ascii", 100_000_000), ("ascii", 1_000_000_000), ("cjk", 100_000_000)]
+        corpora = [
+            ("ascii", 1_000_000),
+            ("ascii", 100_000_000),
+            ("ascii", 1_000_000_000),
+            ("cjk", 100_000_000),
+        ]
         nproc, steps, model = args.nproc, args.steps, []
     work = args.work or tempfile.mkdtemp(prefix="data-scale-")
     os.makedirs(work, exist_ok=True)
@@ -200,33 +240,67 @@ def main() -> int:
             shutil.rmtree(run_dir, ignore_errors=True)
             os.makedirs(run_dir)
             mb = os.path.getsize(corpus) / 1e6
-            row = {"corpus": name, "source_mb": round(mb, 1), "tokens": prep["tokens"], "dtype": prep["dtype"],
-                   "vocab": prep["vocab"], "prepare_s": round(prep["seconds"], 2),
-                   "prepare_mb_per_s": round(mb / prep["seconds"], 1), "prepare_peak_rss_mb": round(prep["peak_rss_mb"], 1),
-                   **train(corpus, cache, run_dir, nproc, steps, model)}
+            row = {
+                "corpus": name,
+                "source_mb": round(mb, 1),
+                "tokens": prep["tokens"],
+                "dtype": prep["dtype"],
+                "vocab": prep["vocab"],
+                "prepare_s": round(prep["seconds"], 2),
+                "prepare_mb_per_s": round(mb / prep["seconds"], 1),
+                "prepare_peak_rss_mb": round(prep["peak_rss_mb"], 1),
+                **train(corpus, cache, run_dir, nproc, steps, model),
+            }
             rows.append(row)
             print(json.dumps(row), flush=True)
         largest = max(rows, key=lambda r: r["tokens"])
         cache = os.path.join(work, f"prepared-{largest['corpus']}")
-        tokens_path = next(os.path.join(d, f) for d, _, fs in os.walk(cache) for f in fs if f.endswith(".bin"))
+        tokens_path = next(
+            os.path.join(d, f) for d, _, fs in os.walk(cache) for f in fs if f.endswith(".bin")
+        )
         readers = {"corpus": largest["corpus"], **reader_growth(tokens_path)}
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
-    columns = ["corpus", "vocab", "dtype", "prepare_s", "prepare_mb_per_s", "prepare_peak_rss_mb",
-               "launch_to_first_step_s", "first_step_ms", "steady_ms_per_step", "data_ms_per_step", "peak_rss_mb_per_rank",
-               "peak_pss_mb_per_rank"]
-    print(f"\nworld size {nproc}, {steps} steps each, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs\n")
+    columns = [
+        "corpus",
+        "vocab",
+        "dtype",
+        "prepare_s",
+        "prepare_mb_per_s",
+        "prepare_peak_rss_mb",
+        "launch_to_first_step_s",
+        "first_step_ms",
+        "steady_ms_per_step",
+        "data_ms_per_step",
+        "peak_rss_mb_per_rank",
+        "peak_pss_mb_per_rank",
+    ]
+    print(
+        f"\nworld size {nproc}, {steps} steps each, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs\n"
+    )
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
     for row in rows:
         print("| " + " | ".join(str(row[c]) for c in columns) + " |")
-    print(f"\nreading {readers['windows']:,} random windows of the {readers['corpus']} token file grew RSS by "
-          f"{readers['mmap_rss_growth_mb']} MB through a memory map, {readers['pread_rss_growth_mb']} MB through pread")
+    print(
+        f"\nreading {readers['windows']:,} random windows of the {readers['corpus']} token file grew RSS by "
+        f"{readers['mmap_rss_growth_mb']} MB through a memory map, {readers['pread_rss_growth_mb']} MB through pread"
+    )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"nproc": nproc, "steps": steps, "cpu": platform.processor() or platform.machine(),
-                   "cpus": os.cpu_count(), "rows": rows, "readers": readers}, f, indent=1)
+        json.dump(
+            {
+                "nproc": nproc,
+                "steps": steps,
+                "cpu": platform.processor() or platform.machine(),
+                "cpus": os.cpu_count(),
+                "rows": rows,
+                "readers": readers,
+            },
+            f,
+            indent=1,
+        )
     return 0
 
 

@@ -29,11 +29,11 @@ sys.path.insert(0, REPO)
 import torch  # noqa: E402
 
 from char_dataset import CharDataset, DataConfig  # noqa: E402
-from mingpt_ddp.runtime.distributed import DistContext  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
-from mingpt_ddp.snapshots.store import SnapshotStore  # noqa: E402
 from mingpt_ddp.config.optimizer import OptimizerConfig  # noqa: E402
 from mingpt_ddp.config.trainer import TrainerConfig  # noqa: E402
+from mingpt_ddp.runtime.distributed import DistContext  # noqa: E402
+from mingpt_ddp.snapshots.store import SnapshotStore  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
 from trainer import Trainer  # noqa: E402
 
 MODELS = {  # name: (n_layer, n_head, n_embd)
@@ -42,17 +42,32 @@ MODELS = {  # name: (n_layer, n_head, n_embd)
 }
 
 
-def make_trainer(dataset: CharDataset, shape: tuple[int, int, int], url: str, async_save: bool,
-                 endpoint: str, batch_size: int) -> Trainer:
+def make_trainer(
+    dataset: CharDataset,
+    shape: tuple[int, int, int],
+    url: str,
+    async_save: bool,
+    endpoint: str,
+    batch_size: int,
+) -> Trainer:
     n_layer, n_head, n_embd = shape
-    gcfg = GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-                     vocab_size=dataset.vocab_size, block_size=dataset.config.block_size)
+    gcfg = GPTConfig(
+        n_layer=n_layer,
+        n_head=n_head,
+        n_embd=n_embd,
+        vocab_size=dataset.vocab_size,
+        block_size=dataset.config.block_size,
+    )
     torch.manual_seed(0)
-    tcfg = TrainerConfig(batch_size=batch_size, async_save=async_save, metrics_path="none", s3_endpoint_url=endpoint)
+    tcfg = TrainerConfig(
+        batch_size=batch_size, async_save=async_save, metrics_path="none", s3_endpoint_url=endpoint
+    )
     ctx = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     store = SnapshotStore(url, keep_last=2, s3_endpoint_url=endpoint)
     store.check_writable()
-    return Trainer(GPT(gcfg), dataset, tcfg, OptimizerConfig(), ctx, {"gpt_config": vars(gcfg)}, store)
+    return Trainer(
+        GPT(gcfg), dataset, tcfg, OptimizerConfig(), ctx, {"gpt_config": vars(gcfg)}, store
+    )
 
 
 def timed_run(trainer: Trainer, steps: int, save_every: int) -> tuple[float, float]:
@@ -73,10 +88,16 @@ def bench(dataset, name, shape, target, url, endpoint, steps, save_every, batch_
     base.train_step()  # warm-up, and optimizer state exists from here on
     step_s = timed_run(base, steps, 0)[0] / steps
     saves = steps // save_every
-    row = {"model": name, "params_M": round(base.num_params / 1e6, 2), "storage": target,
-           "step_ms": round(1e3 * step_s, 1)}
+    row = {
+        "model": name,
+        "params_M": round(base.num_params / 1e6, 2),
+        "storage": target,
+        "step_ms": round(1e3 * step_s, 1),
+    }
     for mode in ("sync", "async"):
-        trainer = make_trainer(dataset, shape, f"{url}/{mode}", mode == "async", endpoint, batch_size)
+        trainer = make_trainer(
+            dataset, shape, f"{url}/{mode}", mode == "async", endpoint, batch_size
+        )
         trainer.train_step()
         elapsed, blocked = timed_run(trainer, steps, save_every)
         row[f"{mode}_stall_ms"] = round(1e3 * max((elapsed - step_s * steps) / saves, 0.0), 1)
@@ -97,7 +118,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description="Snapshot size / save / load / stall benchmark.")
     p.add_argument("--data", default="data/tinyshakespeare/input.txt")
     p.add_argument("--smoke", action="store_true", help="a tiny model and a few steps (CI)")
-    p.add_argument("--s3-endpoint", default="", help="S3 endpoint to use instead of a local moto_server")
+    p.add_argument(
+        "--s3-endpoint", default="", help="S3 endpoint to use instead of a local moto_server"
+    )
     p.add_argument("--s3-bucket", default="snapshot-bench")
     p.add_argument("--no-s3", action="store_true")
     p.add_argument("--out", default="benchmarks/results/snapshot_bench.json")
@@ -117,26 +140,44 @@ def main() -> int:
             moto = MotoServer()  # the tests' S3 server, on a free loopback port
             endpoint = moto.url
             import boto3
+
             boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=args.s3_bucket)
         targets["S3 (" + endpoint + ")"] = f"s3://{args.s3_bucket}/bench"
     rows = []
     try:
         for name, shape in models.items():
             for target, url in targets.items():
-                rows.append(bench(dataset, name, shape, target, url, endpoint, steps, save_every, batch))
+                rows.append(
+                    bench(dataset, name, shape, target, url, endpoint, steps, save_every, batch)
+                )
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         shutil.rmtree(local_dir, ignore_errors=True)
         if moto is not None:
             moto.stop()
-    cols = ["model", "params_M", "storage", "size_MB", "save_s", "load_s", "step_ms", "sync_stall_ms",
-            "async_blocked_ms", "async_stall_ms", "async_stall_steps"]
+    cols = [
+        "model",
+        "params_M",
+        "storage",
+        "size_MB",
+        "save_s",
+        "load_s",
+        "step_ms",
+        "sync_stall_ms",
+        "async_blocked_ms",
+        "async_stall_ms",
+        "async_stall_steps",
+    ]
     print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:
         print("| " + " | ".join(str(r[c]) for c in cols) + " |")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows}, f, indent=1)
+        json.dump(
+            {"torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows},
+            f,
+            indent=1,
+        )
     print(f"\nsaved {args.out}")
     return 0
 

@@ -27,27 +27,37 @@ import time
 from contextlib import nullcontext
 
 import torch
-
 from common import REPO, hardware
 
 sys.path.insert(0, REPO)
 
-from mingpt_ddp.runtime.host import keep_freed_cpu_memory  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
 from mingpt_ddp.config.optimizer import OptimizerConfig
 from mingpt_ddp.optim import build_optimizers  # noqa: E402
 from mingpt_ddp.parallel.plan import AMP_DTYPES, Plan, autocast_attention_fp32, choose_precision  # noqa: E402
+from mingpt_ddp.runtime.host import keep_freed_cpu_memory  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
 
 N_LAYER, N_HEAD, N_EMBD, BLOCK, BATCH, VOCAB = 4, 4, 128, 64, 12, 65  # nanoGPT's CPU recipe
 
 
 def nanogpt_step(checkout: str, batches: torch.Tensor):
     """A training step of nanoGPT's own model.py and optimizer, as its train.py takes one on a CPU."""
-    spec = importlib.util.spec_from_file_location("nanogpt_model", os.path.join(checkout, "model.py"))
+    spec = importlib.util.spec_from_file_location(
+        "nanogpt_model", os.path.join(checkout, "model.py")
+    )
     nano = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(nano)
-    model = nano.GPT(nano.GPTConfig(block_size=BLOCK, vocab_size=VOCAB, n_layer=N_LAYER, n_head=N_HEAD,
-                                    n_embd=N_EMBD, dropout=0.0, bias=False))
+    model = nano.GPT(
+        nano.GPTConfig(
+            block_size=BLOCK,
+            vocab_size=VOCAB,
+            n_layer=N_LAYER,
+            n_head=N_HEAD,
+            n_embd=N_EMBD,
+            dropout=0.0,
+            bias=False,
+        )
+    )
     optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")
 
     def step(i: int) -> None:
@@ -57,6 +67,7 @@ def nanogpt_step(checkout: str, batches: torch.Tensor):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
     return step
 
 
@@ -65,9 +76,19 @@ def our_step(batches: torch.Tensor, compile: bool):
     device = torch.device("cpu")
     use_amp, amp_dtype, why = choose_precision("auto", "auto", device)
     plan = Plan(parallel="none", use_amp=use_amp, amp_dtype=amp_dtype)
-    attention_fp32, choice = autocast_attention_fp32(plan, device, (BATCH, N_HEAD, BLOCK, N_EMBD // N_HEAD))
-    model = GPT(GPTConfig(n_layer=N_LAYER, n_head=N_HEAD, n_embd=N_EMBD, bias=False, vocab_size=VOCAB,
-                          block_size=BLOCK))
+    attention_fp32, choice = autocast_attention_fp32(
+        plan, device, (BATCH, N_HEAD, BLOCK, N_EMBD // N_HEAD)
+    )
+    model = GPT(
+        GPTConfig(
+            n_layer=N_LAYER,
+            n_head=N_HEAD,
+            n_embd=N_EMBD,
+            bias=False,
+            vocab_size=VOCAB,
+            block_size=BLOCK,
+        )
+    )
     for block in model.blocks:
         block.attn.fp32_under_autocast = attention_fp32
     if compile:
@@ -84,6 +105,7 @@ def our_step(batches: torch.Tensor, compile: bool):
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+
     words = f"{amp_dtype} autocast, {choice}" if use_amp else "fp32"
     return step, f"{words} ({why})"
 
@@ -98,25 +120,41 @@ def time_round(step, batches: int, steps: int) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--nanogpt", required=True, help="a nanoGPT checkout (its model.py is imported)")
+    parser.add_argument(
+        "--nanogpt", required=True, help="a nanoGPT checkout (its model.py is imported)"
+    )
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=40, help="steps per candidate per round")
-    parser.add_argument("--eager-only", action="store_true", help="skip the compiled candidate (seconds of compiling)")
-    parser.add_argument("--default-malloc", action="store_true",
-                        help="leave glibc's allocator at its defaults (main.py keeps freed memory: trainer_config.cpu_keep_freed_memory)")
+    parser.add_argument(
+        "--eager-only",
+        action="store_true",
+        help="skip the compiled candidate (seconds of compiling)",
+    )
+    parser.add_argument(
+        "--default-malloc",
+        action="store_true",
+        help="leave glibc's allocator at its defaults (main.py keeps freed memory: trainer_config.cpu_keep_freed_memory)",
+    )
     parser.add_argument("--out", default="", help="also write the result as JSON here")
     args = parser.parse_args()
     if not os.path.exists(os.path.join(args.nanogpt, "model.py")):
-        sys.exit(f"error: no nanoGPT model.py under {args.nanogpt}; git clone https://github.com/karpathy/nanoGPT")
+        sys.exit(
+            f"error: no nanoGPT model.py under {args.nanogpt}; git clone https://github.com/karpathy/nanoGPT"
+        )
     # As main.py sets it up; the setting is the process's, so both models run under it.
     allocator = keep_freed_cpu_memory(torch.device("cpu"), not args.default_malloc) or "default"
     torch.manual_seed(0)
-    batches = torch.randint(0, VOCAB, (64, BATCH, BLOCK + 1))  # the same batches for every candidate
+    batches = torch.randint(
+        0, VOCAB, (64, BATCH, BLOCK + 1)
+    )  # the same batches for every candidate
     ours_eager, precision = our_step(batches, compile=False)
     candidates = {"nanoGPT": nanogpt_step(args.nanogpt, batches), "ours, eager": ours_eager}
     if not args.eager_only:
         candidates["ours, compiled"] = our_step(batches, compile=True)[0]
-    for name, step in candidates.items():  # warm up: first steps allocate, and compiling happens here
+    for (
+        name,
+        step,
+    ) in candidates.items():  # warm up: first steps allocate, and compiling happens here
         t0 = time.perf_counter()
         time_round(step, len(batches), 5)
         print(f"step-time | {name} | warm-up {time.perf_counter() - t0:.1f} s", flush=True)
@@ -125,14 +163,28 @@ def main() -> int:
         for name, step in candidates.items():
             times[name].append(round(time_round(step, len(batches), args.steps), 2))
     medians = {name: statistics.median(ms) for name, ms in times.items()}
-    print(f"step-time | one process, {torch.get_num_threads()} threads, malloc: {allocator} | this project: {precision}")
+    print(
+        f"step-time | one process, {torch.get_num_threads()} threads, malloc: {allocator} | this project: {precision}"
+    )
     for name, ms in times.items():
-        print(f"step-time | {name:<14} | median {medians[name]:.1f} ms | x nanoGPT {medians[name] / medians['nanoGPT']:.2f} | "
-              f"rounds {ms}")
+        print(
+            f"step-time | {name:<14} | median {medians[name]:.1f} ms | x nanoGPT {medians[name] / medians['nanoGPT']:.2f} | "
+            f"rounds {ms}"
+        )
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"hardware": hardware(), "precision": precision, "threads": torch.get_num_threads(), "malloc": allocator, "ms": times,
-                       "ratio": {n: round(m / medians["nanoGPT"], 2) for n, m in medians.items()}}, f, indent=1)
+            json.dump(
+                {
+                    "hardware": hardware(),
+                    "precision": precision,
+                    "threads": torch.get_num_threads(),
+                    "malloc": allocator,
+                    "ms": times,
+                    "ratio": {n: round(m / medians["nanoGPT"], 2) for n, m in medians.items()},
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

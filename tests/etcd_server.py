@@ -39,11 +39,27 @@ class EtcdServer:
         self.data_dir = tempfile.mkdtemp(prefix="etcd-")
         client, peer_url = f"http://{self.endpoint}", f"http://127.0.0.1:{peer}"
         self.proc = subprocess.Popen(
-            [binary, *(["--enable-v2"] if enable_v2 else []), "--name", "default", "--data-dir", self.data_dir,
-             "--listen-client-urls", client, "--advertise-client-urls", client,
-             "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-             "--initial-cluster", f"default={peer_url}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                binary,
+                *(["--enable-v2"] if enable_v2 else []),
+                "--name",
+                "default",
+                "--data-dir",
+                self.data_dir,
+                "--listen-client-urls",
+                client,
+                "--advertise-client-urls",
+                client,
+                "--listen-peer-urls",
+                peer_url,
+                "--initial-advertise-peer-urls",
+                peer_url,
+                "--initial-cluster",
+                f"default={peer_url}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # ready when /health says so
             try:

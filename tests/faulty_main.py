@@ -24,8 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import main  # noqa: E402
-from mingpt_ddp.snapshots import storage  # noqa: E402
 import trainer  # noqa: E402
+from mingpt_ddp.snapshots import storage  # noqa: E402
 
 kind, fault_rank, fault_step = os.environ["FAULT"].split(":")
 first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
@@ -33,8 +33,12 @@ _train_step, _write = trainer.Trainer.train_step, storage.LocalStorage.write
 
 
 def train_step(self):
-    if kind in ("stall", "raise") and self.ctx.rank == int(fault_rank) and self.step == int(fault_step) \
-            and first_attempt:
+    if (
+        kind in ("stall", "raise")
+        and self.ctx.rank == int(fault_rank)
+        and self.step == int(fault_step)
+        and first_attempt
+    ):
         print(f"fault | rank {self.ctx.rank} | {kind} before step {self.step + 1}", flush=True)
         if kind == "stall":
             time.sleep(3600)
@@ -44,14 +48,29 @@ def train_step(self):
 
 def write(self, name: str, data) -> None:
     step = re.match(r"snapshot_(\d+)", name)
-    if kind.startswith("enospc") and step and first_attempt and os.environ.get("RANK", "0") == fault_rank and \
-            (int(step.group(1)) == int(fault_step) if kind == "enospc_at" else int(step.group(1)) >= int(fault_step)):
+    if (
+        kind.startswith("enospc")
+        and step
+        and first_attempt
+        and os.environ.get("RANK", "0") == fault_rank
+        and (
+            int(step.group(1)) == int(fault_step)
+            if kind == "enospc_at"
+            else int(step.group(1)) >= int(fault_step)
+        )
+    ):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(self.root, name))
-    if kind == "block_write" and f"snapshot_{int(fault_step):08d}" in name and first_attempt and \
-            os.environ.get("RANK", "0") == fault_rank:
+    if (
+        kind == "block_write"
+        and f"snapshot_{int(fault_step):08d}" in name
+        and first_attempt
+        and os.environ.get("RANK", "0") == fault_rank
+    ):
         final = os.path.join(self.root, name)
         os.makedirs(os.path.dirname(final), exist_ok=True)
-        tmp = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.{uuid.uuid4().hex}.tmp")
+        tmp = os.path.join(
+            os.path.dirname(final), f".{os.path.basename(final)}.{uuid.uuid4().hex}.tmp"
+        )
         with open(tmp, "wb") as f:  # what LocalStorage.write has done when a kill lands half-way
             f.write(bytes(data[: len(data) // 2]))
         print(f"fault | rank {fault_rank} | blocked half-way through writing {name}", flush=True)

@@ -13,8 +13,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mingpt_ddp.corpus import prepare  # noqa: E402
-from mingpt_ddp.corpus import sources  # noqa: E402
+from mingpt_ddp.corpus import (
+    prepare,  # noqa: E402
+    sources,  # noqa: E402
+)
 
 fifo, args = sys.argv[1], sys.argv[2:]
 sources.CHUNK_BYTES = 4096

@@ -13,7 +13,11 @@ import threading
 
 from benchmarks.common import MotoServer, free_port  # noqa: F401 - MotoServer: tests import it from here
 
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
 
 
 class CuttableProxy:
@@ -81,7 +85,9 @@ class CuttableProxy:
             conns, self._conns = self._conns, []
         for s in conns:
             try:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                s.setsockopt(
+                    socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
+                )
                 s.close()
             except OSError:
                 pass
@@ -124,7 +130,11 @@ class FlakyS3Proxy:
             def _handle(self) -> None:
                 body = self._body()
                 with proxy._lock:
-                    throttle = self.command == "PUT" and proxy.needle in self.path and proxy.failed < proxy.failures
+                    throttle = (
+                        self.command == "PUT"
+                        and proxy.needle in self.path
+                        and proxy.failed < proxy.failures
+                    )
                     proxy.failed += throttle
                 if throttle:
                     reply = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
@@ -135,7 +145,11 @@ class FlakyS3Proxy:
                     self.wfile.write(reply)
                     return
                 conn = http.client.HTTPConnection("127.0.0.1", target_port, timeout=60)
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding", "connection")}
+                headers = {
+                    k: v
+                    for k, v in self.headers.items()
+                    if k.lower() not in ("transfer-encoding", "connection")
+                }
                 headers["Content-Length"] = str(len(body))
                 conn.request(self.command, self.path, body=body, headers=headers)
                 response = conn.getresponse()
@@ -143,7 +157,9 @@ class FlakyS3Proxy:
                 self.send_response(response.status)
                 head = self.command == "HEAD"  # no body, but the real object's length
                 for key, value in response.getheaders():
-                    if key.lower() not in ("transfer-encoding", "connection") and (head or key.lower() != "content-length"):
+                    if key.lower() not in ("transfer-encoding", "connection") and (
+                        head or key.lower() != "content-length"
+                    ):
                         self.send_header(key, value)
                 if not head:
                     self.send_header("Content-Length", str(len(data)))

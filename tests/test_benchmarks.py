@@ -6,15 +6,26 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO
 
 pytestmark = pytest.mark.slow
 
 
 def run_smoke(script: str, shakespeare, out) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--smoke", "--data", str(shakespeare),
-                             "--out", str(out)], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / script),
+            "--smoke",
+            "--data",
+            str(shakespeare),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -31,7 +42,9 @@ def test_fsdp_benchmark_smoke_mode_reports_memory_speed_and_save_time(shakespear
     result = run_smoke("fsdp_bench.py", shakespeare, tmp_path / "fsdp.json")
     assert "| config | params_M | mem_MB_rank0 |" in result.stdout
     rows = {r["parallel"]: r for r in json.loads((tmp_path / "fsdp.json").read_text())}
-    assert rows["fsdp"]["optimizer_MB"] < rows["ddp"]["optimizer_MB"]  # sharded: each rank holds a part
+    assert (
+        rows["fsdp"]["optimizer_MB"] < rows["ddp"]["optimizer_MB"]
+    )  # sharded: each rank holds a part
     assert all(r["tokens_per_sec"] > 0 and r["save_s"] > 0 for r in rows.values())
 
 
@@ -48,9 +61,23 @@ def test_bench_smoke_mode_prints_the_mode_table_and_writes_json_and_chart(shakes
 
 def test_time_to_quality_reports_steps_tokens_and_wall_time_to_the_target(shakespeare, tmp_path):
     out = tmp_path / "ttq.json"
-    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "time_to_quality.py"), "--recipe", "smoke",
-                             "--target", "3.3", "--data", str(shakespeare), "--out", str(out)],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "time_to_quality.py"),
+            "--recipe",
+            "smoke",
+            "--target",
+            "3.3",
+            "--data",
+            str(shakespeare),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["reached"] and report["val_loss"] <= 3.3 and report["step"] % 10 == 0
@@ -64,41 +91,83 @@ def test_data_scale_smoke_mode_prepares_trains_and_measures_memory_per_rank(shak
     report = json.loads((tmp_path / "scale.json").read_text())
     assert [r["corpus"] for r in report["rows"]] == ["ascii-1MB", "ascii-3MB", "cjk-1MB"]
     for row in report["rows"]:
-        assert row["ranks_seen"] == 2 and row["peak_rss_mb_per_rank"] > row["peak_pss_mb_per_rank"] > 0
-        assert row["prepare_mb_per_s"] > 0 and row["steady_ms_per_step"] > 0 and row["launch_to_first_step_s"] > 0
+        assert (
+            row["ranks_seen"] == 2 and row["peak_rss_mb_per_rank"] > row["peak_pss_mb_per_rank"] > 0
+        )
+        assert (
+            row["prepare_mb_per_s"] > 0
+            and row["steady_ms_per_step"] > 0
+            and row["launch_to_first_step_s"] > 0
+        )
     assert report["rows"][2]["dtype"] == "int16" and report["rows"][2]["vocab"] > 256
     assert report["readers"]["pread_rss_growth_mb"] < report["readers"]["mmap_rss_growth_mb"]
 
 
-def test_gpu_check_skips_cleanly_without_a_gpu_and_its_harness_runs_on_the_cpu(shakespeare, tmp_path):
+def test_gpu_check_skips_cleanly_without_a_gpu_and_its_harness_runs_on_the_cpu(
+    shakespeare, tmp_path
+):
     script = [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--data", str(shakespeare)]
     if not torch.cuda.is_available():
-        skipped = subprocess.run(script + ["--out", str(tmp_path / "none.json")], capture_output=True, text=True)
-        assert skipped.returncode == 0 and "no CUDA device visible: GPU checks skipped" in skipped.stdout
-    rehearsal = subprocess.run(script + ["--device", "cpu", "--only", "single fp32", "--out", str(tmp_path / "gc.json")],
-                               capture_output=True, text=True, timeout=300)
+        skipped = subprocess.run(
+            script + ["--out", str(tmp_path / "none.json")], capture_output=True, text=True
+        )
+        assert (
+            skipped.returncode == 0
+            and "no CUDA device visible: GPU checks skipped" in skipped.stdout
+        )
+    rehearsal = subprocess.run(
+        script + ["--device", "cpu", "--only", "single fp32", "--out", str(tmp_path / "gc.json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert rehearsal.returncode == 0, rehearsal.stdout[-2000:] + rehearsal.stderr[-2000:]
     [row] = json.loads((tmp_path / "gc.json").read_text())["rows"]
-    assert row["check"] == "single fp32 (TF32)" and row["result"] == "pass" and "ms/step" in row["numbers"]
+    assert (
+        row["check"] == "single fp32 (TF32)"
+        and row["result"] == "pass"
+        and "ms/step" in row["numbers"]
+    )
 
 
-def test_compare_smoke_mode_times_rows_end_to_end_and_says_why_a_row_cannot_run(shakespeare, tmp_path):
+def test_compare_smoke_mode_times_rows_end_to_end_and_says_why_a_row_cannot_run(
+    shakespeare, tmp_path
+):
     out = tmp_path / "compare.json"
-    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "compare.py"), "--smoke", "--data",
-                             str(shakespeare), "--out", str(out), "--rows", "one process,spawn_launch,Horovod"],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "compare.py"),
+            "--smoke",
+            "--data",
+            str(shakespeare),
+            "--out",
+            str(out),
+            "--rows",
+            "one process,spawn_launch,Horovod",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "| the notes' row (their minutes) | here | ranks | launch to exit, s |" in result.stdout
     rows = {r["here"]: r for r in json.loads(out.read_text())["rows"]}
-    assert rows["one process"]["ranks"] == 1 and rows["DDP, tutorials/spawn_launch.py"]["ranks"] == 2
+    assert (
+        rows["one process"]["ranks"] == 1 and rows["DDP, tutorials/spawn_launch.py"]["ranks"] == 2
+    )
     for timed in ("one process", "DDP, tutorials/spawn_launch.py"):
-        assert rows[timed]["wall_s"] > 0 and rows[timed]["peak_host_mib"] > 0 and rows[timed]["tokens"] > 0
+        assert (
+            rows[timed]["wall_s"] > 0
+            and rows[timed]["peak_host_mib"] > 0
+            and rows[timed]["tokens"] > 0
+        )
     assert "does not build" in rows["Horovod"]["skipped"]
 
 
 # A stand-in for a nanoGPT checkout (CI has no internet to clone one): its model.py offers what
 # step_time.py uses of nanoGPT's (GPT, GPTConfig, configure_optimizers), built on this project's GPT.
-STAND_IN_NANOGPT = '''
+STAND_IN_NANOGPT = """
 import torch
 from dataclasses import dataclass
 from model import GPT as _GPT, GPTConfig as _Config
@@ -114,16 +183,31 @@ class GPT(_GPT):
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         return torch.optim.AdamW(self.parameters(), lr=learning_rate, betas=betas, weight_decay=weight_decay)
-'''
+"""
 
 
 def test_step_time_times_both_models_in_turns_and_reports_ratios(tmp_path):
     (tmp_path / "nanoGPT").mkdir()
     (tmp_path / "nanoGPT" / "model.py").write_text(STAND_IN_NANOGPT)
     out = tmp_path / "step.json"
-    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "step_time.py"), "--nanogpt",
-                             str(tmp_path / "nanoGPT"), "--eager-only", "--rounds", "2", "--steps", "3",
-                             "--out", str(out)], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "step_time.py"),
+            "--nanogpt",
+            str(tmp_path / "nanoGPT"),
+            "--eager-only",
+            "--rounds",
+            "2",
+            "--steps",
+            "3",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert set(report["ms"]) == {"nanoGPT", "ours, eager"}

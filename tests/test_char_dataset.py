@@ -4,15 +4,24 @@ import fsspec
 import pytest
 import torch
 
-from mingpt_ddp.corpus import sources
 from char_dataset import CharDataset, DataConfig, DatasetError, TokenWindows, split_point
+from mingpt_ddp.corpus import sources
 
 
-def make(tmp_path, text: str, block_size: int = 4, split: float = 0.9, name: str = "corpus.txt") -> CharDataset:
+def make(
+    tmp_path, text: str, block_size: int = 4, split: float = 0.9, name: str = "corpus.txt"
+) -> CharDataset:
     path = tmp_path / name
     path.write_text(text, encoding="utf-8")
-    return CharDataset(DataConfig(path=str(path), block_size=block_size, train_split=split,
-                                  cache_dir=str(tmp_path / "prepared")), log=lambda line: None)
+    return CharDataset(
+        DataConfig(
+            path=str(path),
+            block_size=block_size,
+            train_split=split,
+            cache_dir=str(tmp_path / "prepared"),
+        ),
+        log=lambda line: None,
+    )
 
 
 def all_ids(ds: CharDataset) -> torch.Tensor:
@@ -43,9 +52,15 @@ def test_no_validation_window_overlaps_training_text(tmp_path):
     # the validation ones start at or after character 900.
     train_x, train_y = ds.train.batch(torch.arange(len(ds.train)))
     val_x, val_y = ds.val.batch(torch.arange(len(ds.val)))
-    assert ds.tokenizer.decode(train_y[-1]) == text[n_train - T: n_train]  # the last training target ends at 900
-    assert ds.tokenizer.decode(val_x[0]) == text[n_train: n_train + T]  # the first validation input starts at 900
-    assert len(ds.train) == n_train - T and len(ds.val) == 1000 - n_train - T  # no window crosses the boundary
+    assert (
+        ds.tokenizer.decode(train_y[-1]) == text[n_train - T : n_train]
+    )  # the last training target ends at 900
+    assert (
+        ds.tokenizer.decode(val_x[0]) == text[n_train : n_train + T]
+    )  # the first validation input starts at 900
+    assert (
+        len(ds.train) == n_train - T and len(ds.val) == 1000 - n_train - T
+    )  # no window crosses the boundary
     with pytest.raises(IndexError):
         ds.train.batch(torch.tensor([len(ds.train)]))  # one more would read validation text
     assert torch.equal(torch.cat([train_x[:, 0], train_y[-1]]), all_ids(ds)[:n_train].long())
@@ -78,31 +93,46 @@ def test_chinese_text_with_thousands_of_characters_uses_two_byte_ids(tmp_path):
 
 
 def test_a_vocabulary_beyond_32767_characters_uses_four_byte_ids(tmp_path):
-    text = "".join(chr(0x4E00 + i) for i in range(20000)) + "".join(chr(0x20000 + i) for i in range(13000))
+    text = "".join(chr(0x4E00 + i) for i in range(20000)) + "".join(
+        chr(0x20000 + i) for i in range(13000)
+    )
     ds = make(tmp_path, text * 2, block_size=16)
     assert ds.vocab_size == 33000 and ds.prepared.meta["dtype"] == "int32"
     assert ds.tokenizer.decode(all_ids(ds)) == text * 2
 
 
 def test_characters_split_between_two_reads_are_decoded_whole(tmp_path, monkeypatch):
-    monkeypatch.setattr(sources, "CHUNK_BYTES", 7)  # every read cuts through some 2-, 3- or 4-byte character
+    monkeypatch.setattr(
+        sources, "CHUNK_BYTES", 7
+    )  # every read cuts through some 2-, 3- or 4-byte character
     text = "añb€c😀d" * 50 + "plain ascii tail " * 5
     ds = make(tmp_path, text, block_size=4)
     assert ds.tokenizer.decode(all_ids(ds)) == text
 
 
 def test_ascii_corpus_is_stored_one_byte_per_character(shakespeare, tmp_path):
-    ds = CharDataset(DataConfig(path=str(shakespeare), block_size=64, cache_dir=str(tmp_path)), log=lambda _: None)
-    assert ds.vocab_size == 65 and ds.prepared.meta["dtype"] == "uint8" and ds.num_tokens == 1_115_394
-    assert (tmp_path / ds.prepared.directory.split("/")[-1] / ds.prepared.meta["tokens_file"]).stat().st_size == 1_115_394
+    ds = CharDataset(
+        DataConfig(path=str(shakespeare), block_size=64, cache_dir=str(tmp_path)),
+        log=lambda _: None,
+    )
+    assert (
+        ds.vocab_size == 65 and ds.prepared.meta["dtype"] == "uint8" and ds.num_tokens == 1_115_394
+    )
+    assert (
+        tmp_path / ds.prepared.directory.split("/")[-1] / ds.prepared.meta["tokens_file"]
+    ).stat().st_size == 1_115_394
     assert ds.tokenizer.decode(all_ids(ds)) == shakespeare.read_text()
 
 
 def test_reads_any_fsspec_url(tmp_path):
     with fsspec.open("memory://corpus/text.txt", "wb") as f:
-        f.write("to be or not to be, that is the question".encode())
-    ds = CharDataset(DataConfig(path="memory://corpus/text.txt", block_size=4, train_split=0.5,
-                                cache_dir=str(tmp_path)), log=lambda _: None)
+        f.write(b"to be or not to be, that is the question")
+    ds = CharDataset(
+        DataConfig(
+            path="memory://corpus/text.txt", block_size=4, train_split=0.5, cache_dir=str(tmp_path)
+        ),
+        log=lambda _: None,
+    )
     assert ds.tokenizer.decode(all_ids(ds)).startswith("to be or")
 
 
@@ -116,7 +146,9 @@ def test_undecodable_bytes_are_reported_with_their_offset(tmp_path):
     bad.write_bytes(b"hello caf\xe9 world" * 10)
     with pytest.raises(DatasetError, match="not UTF-8 text .*offset 9"):
         CharDataset(DataConfig(path=str(bad), cache_dir=str(tmp_path / "prepared")))
-    assert not list((tmp_path / "prepared").rglob("meta.json"))  # nothing half-prepared is left to train on
+    assert not list(
+        (tmp_path / "prepared").rglob("meta.json")
+    )  # nothing half-prepared is left to train on
 
 
 def test_text_shorter_than_one_window_is_an_error(tmp_path):

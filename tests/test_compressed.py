@@ -6,8 +6,8 @@ import gzip
 import lzma
 
 import pytest
-
 from conftest import sweep, sweep_jobs, sweep_overrides
+
 from mingpt_ddp.corpus import sources
 from mingpt_ddp.corpus.prepare import ensure_prepared
 from mingpt_ddp.errors import DatasetError
@@ -47,7 +47,9 @@ def test_every_format_gives_the_plain_texts_token_file(corpora, tmp_path):
     for suffix, path in corpora.items():
         prepared = ensure_prepared(str(path), str(tmp_path), log=quiet)
         assert prepared.directory != plain.directory or suffix == ".txt"  # its own cache entry
-        assert open(prepared.tokens_path, "rb").read() == open(plain.tokens_path, "rb").read(), suffix
+        assert open(prepared.tokens_path, "rb").read() == open(plain.tokens_path, "rb").read(), (
+            suffix
+        )
         assert prepared.meta["vocab"] == plain.meta["vocab"]
         # The cache's identity is the compressed file's: its size as stored, not the text's.
         assert prepared.meta["files"][0]["bytes"] == path.stat().st_size
@@ -82,20 +84,35 @@ def test_a_compressed_s3_object_is_decoded_while_it_is_prepared(s3, bucket, corp
     plain = ensure_prepared(str(corpora[".txt"]), str(tmp_path), log=quiet)
     client = s3.client()
     for suffix in (".gz", ".xz"):
-        client.put_object(Bucket=bucket, Key=f"data/input.txt{suffix}", Body=corpora[suffix].read_bytes())
-        prepared = ensure_prepared(f"s3://{bucket}/data/input.txt{suffix}", str(tmp_path), s3.url, log=quiet)
-        assert open(prepared.tokens_path, "rb").read() == open(plain.tokens_path, "rb").read(), suffix
+        client.put_object(
+            Bucket=bucket, Key=f"data/input.txt{suffix}", Body=corpora[suffix].read_bytes()
+        )
+        prepared = ensure_prepared(
+            f"s3://{bucket}/data/input.txt{suffix}", str(tmp_path), s3.url, log=quiet
+        )
+        assert open(prepared.tokens_path, "rb").read() == open(plain.tokens_path, "rb").read(), (
+            suffix
+        )
         assert prepared.meta["files"][0]["identity"]["etag"]
 
 
 @pytest.mark.slow
 def test_training_on_each_format_gives_the_same_first_losses(corpora, tmp_path):
     # One sweep, one process (one torch start-up): a job per format, each in its own directory.
-    paths = ",".join(str(p) for suffix, p in corpora.items() if suffix != ".zst")  # zstd: same tokens, above
-    result = sweep([*sweep_overrides(corpora[".txt"], tmp_path, max_steps=3, log_every=1, eval_every=3),
-                    f"data_config.path={paths}"], tmp_path / "sweep")
+    paths = ",".join(
+        str(p) for suffix, p in corpora.items() if suffix != ".zst"
+    )  # zstd: same tokens, above
+    result = sweep(
+        [
+            *sweep_overrides(corpora[".txt"], tmp_path, max_steps=3, log_every=1, eval_every=3),
+            f"data_config.path={paths}",
+        ],
+        tmp_path / "sweep",
+    )
     assert result.returncode == 0, result.stderr[-2000:]
-    losses = [[r["train_loss"] for r in records if "train_loss" in r]
-              for records in sweep_jobs(tmp_path / "sweep").values()]
+    losses = [
+        [r["train_loss"] for r in records if "train_loss" in r]
+        for records in sweep_jobs(tmp_path / "sweep").values()
+    ]
     assert len(losses) == 4 and len(losses[0]) == 3
     assert all(found == losses[0] for found in losses), losses

@@ -6,7 +6,6 @@ import re
 from collections import Counter
 
 import pytest
-
 from conftest import REPO, main_command
 from conftest import run as run_command
 
@@ -18,7 +17,9 @@ MiB = 1024 * 1024
 def tutorial(tmp_path_factory):
     """One run of the tutorial on 2 ranks (about 10 s): its stdout and the buckets rank 0 recorded."""
     record = tmp_path_factory.mktemp("buckets") / "buckets.json"
-    result = run_command(main_command(2, [str(record)], script=REPO / "tutorials" / "ddp_buckets.py"), timeout=180)
+    result = run_command(
+        main_command(2, [str(record)], script=REPO / "tutorials" / "ddp_buckets.py"), timeout=180
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout, json.loads(record.read_text())
 
@@ -29,7 +30,9 @@ def sizes():
     from model import GPT, GPTConfig
 
     gpt = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=128, vocab_size=65, block_size=64))
-    assert "lm_head.weight" in dict(gpt.named_parameters(remove_duplicate=False))  # tied to wte.weight
+    assert "lm_head.weight" in dict(
+        gpt.named_parameters(remove_duplicate=False)
+    )  # tied to wte.weight
     return {n: p.numel() * p.element_size() for n, p in gpt.named_parameters() if p.requires_grad}
 
 
@@ -41,15 +44,21 @@ def names(bucket_calls):
     return [n for c in bucket_calls for n in c["names"]]
 
 
-def test_first_bucket_at_the_default_cap_holds_the_last_parameters_and_closes_at_1_mib(tutorial, sizes):
+def test_first_bucket_at_the_default_cap_holds_the_last_parameters_and_closes_at_1_mib(
+    tutorial, sizes
+):
     _, record = tutorial
     params = list(sizes)
     assert record["params"] == params
-    (only,) = calls(record, "default", 1)  # before the rebuild: one bucket, in model.parameters() order
+    (only,) = calls(
+        record, "default", 1
+    )  # before the rebuild: one bucket, in model.parameters() order
     assert only["names"] == params and only["bytes"] == sum(sizes.values())
     first = calls(record, "default", 2)[0]  # after the rebuild
     assert first["index"] == 0
-    assert set(first["names"]) == set(params[-len(first["names"]):]) and len(first["names"]) < len(params)
+    assert set(first["names"]) == set(params[-len(first["names"]) :]) and len(first["names"]) < len(
+        params
+    )
     assert first["bytes"] == sum(sizes[n] for n in first["names"])
     # Not "at most 1 MiB": the bucket closes at the parameter that takes it to the cap, and keeps it.
     assert first["bytes"] - sizes[first["names"][-1]] < MiB <= first["bytes"]
@@ -72,7 +81,9 @@ def test_all_reduces_go_out_in_bucket_index_order_and_a_full_bucket_waits_for_a_
         for step in run:
             assert [c["index"] for c in step["calls"]] == list(range(len(step["calls"])))
             assert [c["sent"] for c in step["calls"]] == sorted(c["sent"] for c in step["calls"])
-    rebuilt = calls(record, "0.25", 2)  # buckets in ready order: each goes out as soon as it is full
+    rebuilt = calls(
+        record, "0.25", 2
+    )  # buckets in ready order: each goes out as soon as it is full
     assert all(c["sent"] == c["full"] for c in rebuilt)
     late = calls(record, "embeddings_last", 1)  # bucket 0 holds gradients that are ready last
     assert late[0]["full"] == late[0]["sent"] == len(record["params"])
@@ -90,22 +101,35 @@ def test_every_parameter_is_in_exactly_one_bucket_and_the_tied_weight_once(tutor
             assert "lm_head.weight" not in counts
 
 
-def test_rebuild_uses_the_ready_order_and_find_unused_keeps_the_reversed_construction_order(tutorial, sizes):
+def test_rebuild_uses_the_ready_order_and_find_unused_keeps_the_reversed_construction_order(
+    tutorial, sizes
+):
     _, record = tutorial
     first_ready = record["runs"]["default"][0]["ready"]
     assert names(calls(record, "default", 2)) == first_ready != list(sizes)
     construction = calls(record, "find_unused", 1)
     assert names(construction[::-1]) == list(sizes) and len(construction) == 2
-    assert construction[-1]["bytes"] - sizes[construction[-1]["names"][-1]] < MiB <= construction[-1]["bytes"]
+    assert (
+        construction[-1]["bytes"] - sizes[construction[-1]["names"][-1]]
+        < MiB
+        <= construction[-1]["bytes"]
+    )
     assert calls(record, "find_unused", 2) == construction  # never rebuilt
 
 
 def test_conclusions_are_printed_once_as_sentences(tutorial):
     out, _ = tutorial
     assert out.count("== bucket_cap_mb=None (the default), iteration 2") == 1  # rank 0 prints
-    conclusions = out[out.index("parameter tensors"):]
+    conclusions = out[out.index("parameter tensors") :]
     assert "False" not in conclusions
-    assert "Iteration 1 (default arguments): 1 bucket(s); model.parameters() order: True; sent after 52/52" in out
-    assert re.search(r"Bucket 0 holds the last 16 parameters of model.parameters\(\): True; 1056768 bytes", out)
+    assert (
+        "Iteration 1 (default arguments): 1 bucket(s); model.parameters() order: True; sent after 52/52"
+        in out
+    )
+    assert re.search(
+        r"Bucket 0 holds the last 16 parameters of model.parameters\(\): True; 1056768 bytes", out
+    )
     assert "cut into buckets in reverse order: True; never rebuilt: True" in out
-    assert re.search(r"At the default cap: 2 buckets, 1 sent while backward was still running, with 32%", out)
+    assert re.search(
+        r"At the default cap: 2 buckets, 1 sent while backward was still running, with 32%", out
+    )

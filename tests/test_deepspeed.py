@@ -14,26 +14,32 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO, kill_tree, run, run_main, start_main, tiny_overrides, wait_for_line
-from mingpt_ddp.snapshots.manifest import MANIFEST
+
 from mingpt_ddp.metrics import MetricsLog
+from mingpt_ddp.snapshots.manifest import MANIFEST
 from mingpt_ddp.snapshots.store import SnapshotStore
 
-pytest.importorskip("deepspeed", reason="pip install -e \".[deepspeed]\"")
+pytest.importorskip("deepspeed", reason='pip install -e ".[deepspeed]"')
 pytestmark = pytest.mark.slow
 
 STEPS = dict(max_steps=30, save_every=10, log_every=1, eval_every=10)
 
 
 def train(shakespeare, run_dir, parallel, nproc=2, **settings):
-    result = run_main(tiny_overrides(shakespeare, run_dir, **{**STEPS, **settings}) + [f"parallel={parallel}"],
-                      nproc=nproc)
+    result = run_main(
+        tiny_overrides(shakespeare, run_dir, **{**STEPS, **settings}) + [f"parallel={parallel}"],
+        nproc=nproc,
+    )
     return result
 
 
 def losses(run_dir):
-    return [r["train_loss"] for r in MetricsLog.read(str(run_dir / "metrics.jsonl")) if "train_loss" in r]
+    return [
+        r["train_loss"]
+        for r in MetricsLog.read(str(run_dir / "metrics.jsonl"))
+        if "train_loss" in r
+    ]
 
 
 def optimizer_mb(stdout: str) -> float:
@@ -77,14 +83,26 @@ def test_zero_stages_train_like_ddp_and_split_the_optimizer_state(stage, ddp_run
     # AdamW's moments: DDP keeps all of them on every rank, ZeRO (any stage) half of them on each of 2.
     assert optimizer_mb(stdout) == pytest.approx(optimizer_mb(ddp_out) / 2, rel=0.02)
     entry = json.loads((run_dir / "snapshots" / MANIFEST).read_text())["snapshots"][-1]
-    assert entry["kind"] == "deepspeed" and entry["file"].endswith(".zero") and len(entry["files"]) >= 4
+    assert (
+        entry["kind"] == "deepspeed"
+        and entry["file"].endswith(".zero")
+        and len(entry["files"]) >= 4
+    )
 
 
-def test_cpu_offload_of_optimizer_state_and_parameters_trains_the_same_losses(ddp_run, shakespeare, tmp_path):
+def test_cpu_offload_of_optimizer_state_and_parameters_trains_the_same_losses(
+    ddp_run, shakespeare, tmp_path
+):
     # Offloading moves where the state lives (for GPU jobs: into CPU memory), not what is computed.
-    result = run_main(tiny_overrides(shakespeare, tmp_path, **{**STEPS, "max_steps": 10}) +
-                      ["parallel=zero3", "deepspeed_config.offload_optimizer=true",
-                       "deepspeed_config.offload_params=true"], nproc=2)
+    result = run_main(
+        tiny_overrides(shakespeare, tmp_path, **{**STEPS, "max_steps": 10})
+        + [
+            "parallel=zero3",
+            "deepspeed_config.offload_optimizer=true",
+            "deepspeed_config.offload_params=true",
+        ],
+        nproc=2,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "deepspeed ZeRO-3 + optimizer offload + parameter offload" in result.stdout
     # Within the 100 warm-up steps the learning rate does not depend on max_steps: 10 steps of 30 compare.
@@ -102,22 +120,33 @@ def test_a_killed_zero3_job_resumes_exactly(zero_run, shakespeare, tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resume | step 10 |" in resumed.stdout or "resume | step 20 |" in resumed.stdout
     records = MetricsLog.read(str(killed / "metrics.jsonl"))
-    assert [r["step"] for r in records if "train_loss" in r] == list(range(1, 31))  # every step once
+    assert [r["step"] for r in records if "train_loss" in r] == list(
+        range(1, 31)
+    )  # every step once
     assert losses(killed) == losses(straight)
-    wa, wb = (SnapshotStore(str(d / "snapshots")).load_latest()["model"] for d in (straight, killed))
+    wa, wb = (
+        SnapshotStore(str(d / "snapshots")).load_latest()["model"] for d in (straight, killed)
+    )
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_a_zero_snapshot_is_refused_where_it_cannot_resume_naming_what_to_do(zero_run, shakespeare, tmp_path):
+def test_a_zero_snapshot_is_refused_where_it_cannot_resume_naming_what_to_do(
+    zero_run, shakespeare, tmp_path
+):
     shutil.copytree(zero_run(2)[0] / "snapshots", tmp_path / "snapshots")
 
     def snapshots():
         return json.loads((tmp_path / "snapshots" / MANIFEST).read_text())["snapshots"]
 
     before = snapshots()
-    cases = {"ddp": (2, "resume with trainer_config.parallel=deepspeed deepspeed_config.zero_stage=2"),
-             "zero3": (2, "resume with deepspeed_config.zero_stage=2"),
-             "zero2": (1, "holds DeepSpeed partitions for 2 ranks, and this job has 1; resume with 2 ranks")}
+    cases = {
+        "ddp": (2, "resume with trainer_config.parallel=deepspeed deepspeed_config.zero_stage=2"),
+        "zero3": (2, "resume with deepspeed_config.zero_stage=2"),
+        "zero2": (
+            1,
+            "holds DeepSpeed partitions for 2 ranks, and this job has 1; resume with 2 ranks",
+        ),
+    }
     for parallel, (nproc, advice) in cases.items():
         result = train(shakespeare, tmp_path, parallel, nproc=nproc, max_steps=40)
         assert result.returncode == 1 and advice in result.stderr, (parallel, result.stderr[-2000:])
@@ -127,14 +156,30 @@ def test_a_zero_snapshot_is_refused_where_it_cannot_resume_naming_what_to_do(zer
 def test_consolidate_and_sample_read_a_zero_snapshot(zero_run, shakespeare, tmp_path):
     snapshots = zero_run(3)[0] / "snapshots"
     out = tmp_path / "model.pt"
-    done = run([sys.executable, "-m", "mingpt_ddp.snapshots", "consolidate", snapshots, out], timeout=120)
+    done = run(
+        [sys.executable, "-m", "mingpt_ddp.snapshots", "consolidate", snapshots, out], timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert "wrote" in done.stdout and "step 30" in done.stdout
     state = torch.load(out, weights_only=True)
-    assert state["deepspeed"] == {"zero_stage": 3} and state["model"]["wte.weight"].dtype == torch.float32
+    assert (
+        state["deepspeed"] == {"zero_stage": 3}
+        and state["model"]["wte.weight"].dtype == torch.float32
+    )
     for source in (out, snapshots):
-        sampled = run([sys.executable, REPO / "sample.py", "--snapshot", source, "--chars", "30", "--device", "cpu"],
-                      timeout=120)
+        sampled = run(
+            [
+                sys.executable,
+                REPO / "sample.py",
+                "--snapshot",
+                source,
+                "--chars",
+                "30",
+                "--device",
+                "cpu",
+            ],
+            timeout=120,
+        )
         assert sampled.returncode == 0 and len(sampled.stdout) >= 30, sampled.stderr[-2000:]
 
 
@@ -148,9 +193,14 @@ class RunsCode:
         return (os.system, (f"touch {self.marker}",))
 
 
-def test_a_crafted_deepspeed_file_is_never_unpickled_and_the_run_falls_back(zero_run, shakespeare, tmp_path):
+def test_a_crafted_deepspeed_file_is_never_unpickled_and_the_run_falls_back(
+    zero_run, shakespeare, tmp_path
+):
     shutil.copytree(zero_run(2)[0] / "snapshots", tmp_path / "snapshots")
-    snap_dir, marker = tmp_path / "snapshots", tmp_path / "payload-ran"  # snapshots of steps 10, 20, 30
+    snap_dir, marker = (
+        tmp_path / "snapshots",
+        tmp_path / "payload-ran",
+    )  # snapshots of steps 10, 20, 30
     manifest = json.loads((snap_dir / MANIFEST).read_text())
     newest = manifest["snapshots"][-1]
     name = next(n for n in newest["files"] if "optim_states" in n)

@@ -20,8 +20,8 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, TINY_MODEL, free_port, run
+
 from mingpt_ddp.config.schema import sections
 
 READMES = [REPO / "README.md", REPO / "README.zh-CN.md"]
@@ -33,12 +33,24 @@ BLOCK = re.compile(r"(?:<!-- ([\w-]+) -->\n)?```bash\n(.*?)```", re.S)
 CODE_LINK = re.compile(r"\[`([^`]+)`\]\(([\w./-]+\.py)\)")
 # Scripts the README runs that have tests of their own (test_tutorials.py, test_ddp_buckets.py,
 # test_benchmarks.py run each with its checks): not run a second time here.
-COVERED = {"collectives.py", "ring_allreduce.py", "parameter_server.py", "ddp_buckets.py", "single_to_ddp.py",
-           "bench.py", "time_to_quality.py"}
+COVERED = {
+    "collectives.py",
+    "ring_allreduce.py",
+    "parameter_server.py",
+    "ddp_buckets.py",
+    "single_to_ddp.py",
+    "bench.py",
+    "time_to_quality.py",
+}
 # Tiny stand-ins for the run's size (the tests' tiny model; its device and precision are the
 # command's own), sampling a little so the sample step runs; step counts are scaled (see scaled()).
-TINY = {**TINY_MODEL, "trainer_config.sample_chars": "20", "trainer_config.eval_every": "5",
-        "trainer_config.save_every": "5", "trainer_config.log_every": "5"}
+TINY = {
+    **TINY_MODEL,
+    "trainer_config.sample_chars": "20",
+    "trainer_config.eval_every": "5",
+    "trainer_config.save_every": "5",
+    "trainer_config.log_every": "5",
+}
 
 
 def blocks(path: Path) -> list[tuple[str, str]]:
@@ -59,7 +71,9 @@ def check_keys(overrides: dict[str, str]) -> None:
     for key in overrides:
         section, name = key.split(".", 1)
         assert section in sections(), f"{key}: no config section {section!r}"
-        assert name in {f.name for f in fields(sections()[section])}, f"{key}: {section} has no key {name!r}"
+        assert name in {f.name for f in fields(sections()[section])}, (
+            f"{key}: {section} has no key {name!r}"
+        )
 
 
 def scaled(words: list[str]) -> list[str]:
@@ -68,7 +82,9 @@ def scaled(words: list[str]) -> list[str]:
     check_keys(given)
     steps = max(4, int(given.get("trainer_config.max_steps", "2000")) // 50)
     merged = {**given, **TINY, "trainer_config.max_steps": str(steps)}
-    return [w for w in words if not re.match(r"^\w+\.\w+=", w)] + [f"{k}={v}" for k, v in merged.items()]
+    return [w for w in words if not re.match(r"^\w+\.\w+=", w)] + [
+        f"{k}={v}" for k, v in merged.items()
+    ]
 
 
 def at_most_two_ranks(word: str) -> str:
@@ -142,7 +158,9 @@ def test_code_links_name_what_their_file_defines_or_calls():
     # Links name a symbol and point at its file, never at a line number: moving code cannot
     # break a link silently, and renaming or moving a symbol fails here until the docs follow.
     for readme in READMES:
-        assert len(CODE_LINK.findall(readme.read_text())) >= 20, f"{readme.name}: expected the concepts to link to code"
+        assert len(CODE_LINK.findall(readme.read_text())) >= 20, (
+            f"{readme.name}: expected the concepts to link to code"
+        )
     for page in [*READMES, *DOCS]:
         text = page.read_text()
         assert not re.search(r"\.py#L\d+", text), f"{page.relative_to(REPO)}: a link by line number"
@@ -152,7 +170,9 @@ def test_code_links_name_what_their_file_defines_or_calls():
                 assert target.is_file(), f"{page.relative_to(REPO)}: no file {path}"
                 continue
             symbol = name.split("(")[0].strip()
-            assert symbol in code_names(target), f"{page.relative_to(REPO)}: {path} has no {symbol!r}"
+            assert symbol in code_names(target), (
+                f"{page.relative_to(REPO)}: {path} has no {symbol!r}"
+            )
 
 
 def test_relative_links_lead_to_files_that_exist():
@@ -188,7 +208,9 @@ def test_runnable_readme_commands_run_in_order(shakespeare, tmp_path):
             if command is None:
                 continue
             result = run(command, env=env, cwd=tmp_path, timeout=300)
-            assert result.returncode == 0, f"{' '.join(words)}\n{result.stdout[-1500:]}\n{result.stderr[-3000:]}"
+            assert result.returncode == 0, (
+                f"{' '.join(words)}\n{result.stdout[-1500:]}\n{result.stderr[-3000:]}"
+            )
             ran += 1
     assert ran >= 15
     assert (tmp_path / "loss.png").is_file() and (tmp_path / "demo.pt").is_file()
@@ -199,8 +221,12 @@ def test_the_chinese_reference_pages_mirror_the_english_ones(name):
     english, chinese = REPO / "docs" / name, REPO / "docs" / "zh-CN" / name
     assert chinese.is_file(), f"docs/zh-CN/{name} is missing"
     fence = re.compile(r"```\w*\n(.*?)```", re.S)
-    assert fence.findall(chinese.read_text()) == fence.findall(english.read_text())  # the same commands
-    assert chinese.read_text().count("\n| ") >= english.read_text().count("\n| ") - 2  # the same tables, roughly
+    assert fence.findall(chinese.read_text()) == fence.findall(
+        english.read_text()
+    )  # the same commands
+    assert (
+        chinese.read_text().count("\n| ") >= english.read_text().count("\n| ") - 2
+    )  # the same tables, roughly
 
 
 def test_the_chinese_pages_use_the_terms_a_reader_of_the_notes_knows():
@@ -210,5 +236,15 @@ def test_the_chinese_pages_use_the_terms_a_reader_of_the_notes_knows():
         for wrong in ("秩", "世界大小", "规约"):
             assert wrong not in text, f"{page.relative_to(REPO)} says {wrong!r}"
     glossary = READMES[1].read_text().split("### 术语对照表", 1)[1].split("\n## ", 1)[0]
-    for term in ("进程序号", "节点内序号", "总进程数", "all-reduce", "归约", "微批次", "自动混合精度", "rendezvous", "bucket"):
+    for term in (
+        "进程序号",
+        "节点内序号",
+        "总进程数",
+        "all-reduce",
+        "归约",
+        "微批次",
+        "自动混合精度",
+        "rendezvous",
+        "bucket",
+    ):
         assert term in glossary, f"the glossary lacks {term}"

@@ -13,8 +13,17 @@ import sys
 import time
 
 import pytest
+from conftest import (
+    MAIN,
+    REPO,
+    free_port,
+    start,
+    start_main,
+    tiny_overrides,
+    wait_for_line,
+    worker_pid,
+)
 
-from conftest import MAIN, REPO, free_port, start, start_main, tiny_overrides, wait_for_line, worker_pid
 from mingpt_ddp.metrics import MetricsLog
 
 pytestmark = pytest.mark.slow
@@ -23,8 +32,13 @@ FAULTY = REPO / "tests" / "faulty_main.py"  # main.py with faults injected (FAUL
 
 def start_elastic(script, nproc, args, env=None) -> subprocess.Popen:
     """torchrun restarting the worker group up to 3 times, checking its workers every 0.5 s."""
-    return start_main(args, nproc=nproc, env=env, script=script,
-                      torchrun_flags=("--max-restarts=3", "--monitor-interval=0.5"))
+    return start_main(
+        args,
+        nproc=nproc,
+        env=env,
+        script=script,
+        torchrun_flags=("--max-restarts=3", "--monitor-interval=0.5"),
+    )
 
 
 def steps_logged(out: str) -> list[int]:
@@ -32,7 +46,9 @@ def steps_logged(out: str) -> list[int]:
 
 
 def assert_complete_history(run_dir, max_steps):
-    assert [r["step"] for r in MetricsLog.read(str(run_dir / "metrics.jsonl"))] == list(range(1, max_steps + 1))
+    assert [r["step"] for r in MetricsLog.read(str(run_dir / "metrics.jsonl"))] == list(
+        range(1, max_steps + 1)
+    )
 
 
 def test_sigkill_of_a_random_rank_at_a_random_step_restarts_and_finishes(shakespeare, tmp_path):
@@ -49,12 +65,16 @@ def test_sigkill_of_a_random_rank_at_a_random_step_restarts_and_finishes(shakesp
     assert job.returncode == 0, out[-3000:]
     last_snapshot = kill_step // 10 * 10
     assert "restart | torchrun restarted the workers (TORCHELASTIC_RESTART_COUNT=1)" in out
-    assert f"rank {kill_rank} died without a word" in out  # the killed rank left no note; its peer did
+    assert (
+        f"rank {kill_rank} died without a word" in out
+    )  # the killed rank left no note; its peer did
     assert f"resume | step {last_snapshot} |" in out
     steps = steps_logged(out)
     assert steps[-1] == 40 and sorted(set(steps)) == list(range(1, 41))  # none skipped
     redone = [s for s in range(last_snapshot + 1, 41) if steps.count(s) > 1]
-    assert redone and redone[0] == last_snapshot + 1 and max(redone) <= kill_step + 1  # only those since the snapshot
+    assert (
+        redone and redone[0] == last_snapshot + 1 and max(redone) <= kill_step + 1
+    )  # only those since the snapshot
     assert_complete_history(tmp_path, 40)
 
 
@@ -68,10 +88,18 @@ def test_an_exception_on_one_rank_is_reported_after_the_restart(shakespeare, tmp
     assert_complete_history(tmp_path, 20)
 
 
-def test_a_stalled_rank_becomes_an_error_within_the_collective_timeout_and_the_group_restarts(shakespeare, tmp_path):
+def test_a_stalled_rank_becomes_an_error_within_the_collective_timeout_and_the_group_restarts(
+    shakespeare, tmp_path
+):
     timeout_s = 5
-    args = tiny_overrides(shakespeare, tmp_path, max_steps=20, save_every=5, log_every=1,
-                          collective_timeout_s=timeout_s)
+    args = tiny_overrides(
+        shakespeare,
+        tmp_path,
+        max_steps=20,
+        save_every=5,
+        log_every=1,
+        collective_timeout_s=timeout_s,
+    )
     job = start_elastic(FAULTY, 2, args, env={"FAULT": "stall:1:7"})
     wait_for_line(job, "fault | rank 1 | stall")
     stalled_at = time.monotonic()
@@ -92,12 +120,24 @@ def test_a_launcher_that_only_sets_the_standard_variables_works(shakespeare, tmp
     # start N processes with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
     port, world = free_port(), 2
     args = tiny_overrides(shakespeare, tmp_path, max_steps=6, save_every=6)
-    procs = [start([sys.executable, MAIN, *args],
-                   env={"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
-             for r in range(world)]
+    procs = [
+        start(
+            [sys.executable, MAIN, *args],
+            env={
+                "RANK": str(r),
+                "LOCAL_RANK": str(r),
+                "WORLD_SIZE": str(world),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": "1",
+            },
+        )
+        for r in range(world)
+    ]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert "world size 2 | backend gloo" in outs[0] and "done | step 6" in outs[0]
     # Only rank 0 prints (some torch versions' gloo logs its own connection lines; those are not ours).
-    assert [line for line in outs[1].splitlines() if line.strip() and not line.startswith("[Gloo]")] == []
+    assert [
+        line for line in outs[1].splitlines() if line.strip() and not line.startswith("[Gloo]")
+    ] == []

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO, kill_tree, run, run_main, start_main, tiny_overrides
+
 from mingpt_ddp.metrics import MetricsLog
 from mingpt_ddp.snapshots.store import MANIFEST, SnapshotStore
 
@@ -32,12 +32,18 @@ def test_fsdp_without_a_process_group_is_a_config_error(shakespeare, tmp_path):
 @pytest.mark.slow
 def test_an_unknown_parallel_mode_is_a_config_error(shakespeare, tmp_path):
     result = run_main(tiny_overrides(shakespeare, tmp_path) + ["trainer_config.parallel=horovod"])
-    assert result.returncode == 1 and "parallel must be ddp, fsdp, deepspeed or none" in result.stderr
+    assert (
+        result.returncode == 1 and "parallel must be ddp, fsdp, deepspeed or none" in result.stderr
+    )
 
 
 @pytest.mark.slow
-def test_fsdp_and_ddp_give_the_same_losses_and_gradient_norms_for_30_steps(ddp_reference, shakespeare, tmp_path):
-    straight, settings, extra = ddp_reference  # DDP, 2 ranks, with dropout: the same random draws in both
+def test_fsdp_and_ddp_give_the_same_losses_and_gradient_norms_for_30_steps(
+    ddp_reference, shakespeare, tmp_path
+):
+    straight, settings, extra = (
+        ddp_reference  # DDP, 2 ranks, with dropout: the same random draws in both
+    )
     ok(run_main(tiny_overrides(shakespeare, tmp_path, **settings) + extra + [FSDP], nproc=2))
     ddp, fsdp = losses(straight.run_dir), losses(tmp_path)
     assert len(ddp) == len(fsdp) == 30
@@ -47,20 +53,44 @@ def test_fsdp_and_ddp_give_the_same_losses_and_gradient_norms_for_30_steps(ddp_r
 
 
 @pytest.mark.slow
-def test_fsdp_snapshots_reshard_4_2_1_load_into_one_process_and_back_and_consolidate(shakespeare, tmp_path):
+def test_fsdp_snapshots_reshard_4_2_1_load_into_one_process_and_back_and_consolidate(
+    shakespeare, tmp_path
+):
     """One job resumed again and again, 10 steps each time: FSDP shards from 4 ranks resume at 2, then
     at 1 (sample.py reads them); a plain process resumes from the shards and saves one file, which
     FSDP at 2 ranks loads again; the result consolidates to one file."""
+
     def leg(max_steps, *extra, nproc):
-        return ok(run_main(tiny_overrides(shakespeare, tmp_path, max_steps=max_steps, save_every=10, log_every=1)
-                           + list(extra), nproc=nproc))
+        return ok(
+            run_main(
+                tiny_overrides(
+                    shakespeare, tmp_path, max_steps=max_steps, save_every=10, log_every=1
+                )
+                + list(extra),
+                nproc=nproc,
+            )
+        )
 
     assert "in 6 files (sharded)" in leg(10, FSDP, nproc=4)  # 4 shards + DCP metadata + meta.pt
     out = leg(20, FSDP, nproc=2)
-    assert "resume | step 10 | epoch 0 | 160 samples into the epoch | saved at world size 4, now 2" in out
+    assert (
+        "resume | step 10 | epoch 0 | 160 samples into the epoch | saved at world size 4, now 2"
+        in out
+    )
     assert "saved at world size 2, now 1" in leg(30, FSDP, nproc=1)
-    sample = run([sys.executable, REPO / "sample.py", "--snapshot", tmp_path / "snapshots", "--prompt", "KING",
-                  "--chars", "20"], timeout=60)
+    sample = run(
+        [
+            sys.executable,
+            REPO / "sample.py",
+            "--snapshot",
+            tmp_path / "snapshots",
+            "--prompt",
+            "KING",
+            "--chars",
+            "20",
+        ],
+        timeout=60,
+    )
     assert sample.returncode == 0, sample.stderr
     assert sample.stdout.startswith("KING") and "step 30 snapshot" in sample.stderr
     out = leg(40, nproc=0)  # one process (DDP's one-file format), from the shards
@@ -69,10 +99,21 @@ def test_fsdp_snapshots_reshard_4_2_1_load_into_one_process_and_back_and_consoli
     assert "resume | step 40" in out and "(sharded)" in out
     records = losses(tmp_path)
     assert [r["step"] for r in records] == list(range(1, 51))
-    assert sum(r["train_loss"] for r in records[-5:]) < sum(r["train_loss"] for r in records[:5])  # still learning
+    assert sum(r["train_loss"] for r in records[-5:]) < sum(
+        r["train_loss"] for r in records[:5]
+    )  # still learning
     single = tmp_path / "consolidated.pt"
-    conv = run([sys.executable, "-m", "mingpt_ddp.snapshots", "consolidate", tmp_path / "snapshots", single],
-               timeout=60)
+    conv = run(
+        [
+            sys.executable,
+            "-m",
+            "mingpt_ddp.snapshots",
+            "consolidate",
+            tmp_path / "snapshots",
+            single,
+        ],
+        timeout=60,
+    )
     assert conv.returncode == 0, conv.stderr
     state = torch.load(single, weights_only=True)
     assert state["step"] == 50 and state["model"]["wte.weight"].shape == (65, 32)
@@ -82,9 +123,13 @@ def test_fsdp_snapshots_reshard_4_2_1_load_into_one_process_and_back_and_consoli
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel, nproc", [("ddp", 0), ("fsdp", 2)])
 def test_bf16_mixed_precision_trains_and_the_loss_falls(parallel, nproc, shakespeare, tmp_path):
-    args = tiny_overrides(shakespeare, tmp_path, max_steps=60, log_every=10, eval_every=60) + \
-        ["trainer_config.use_amp=true", "trainer_config.amp_dtype=bf16", f"trainer_config.parallel={parallel}",
-         "optimizer_config.learning_rate=3e-3", "optimizer_config.warmup_steps=5"]
+    args = tiny_overrides(shakespeare, tmp_path, max_steps=60, log_every=10, eval_every=60) + [
+        "trainer_config.use_amp=true",
+        "trainer_config.amp_dtype=bf16",
+        f"trainer_config.parallel={parallel}",
+        "optimizer_config.learning_rate=3e-3",
+        "optimizer_config.warmup_steps=5",
+    ]
     ok(run_main(args, nproc=nproc))
     records = losses(tmp_path)
     assert records[-1]["train_loss"] < records[0]["train_loss"] - 0.5
@@ -97,24 +142,46 @@ FP16 = ["trainer_config.use_amp=true", "trainer_config.amp_dtype=fp16"]
 @pytest.mark.slow
 def test_fp16_with_its_grad_scaler_resumes_exactly_on_cpu(shakespeare, tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    ok(run_main(tiny_overrides(shakespeare, straight, max_steps=20, save_every=10, log_every=1) + FP16))
-    out = ok(run_main(tiny_overrides(shakespeare, resumed, max_steps=10, save_every=10, log_every=1) + FP16))
+    ok(
+        run_main(
+            tiny_overrides(shakespeare, straight, max_steps=20, save_every=10, log_every=1) + FP16
+        )
+    )
+    out = ok(
+        run_main(
+            tiny_overrides(shakespeare, resumed, max_steps=10, save_every=10, log_every=1) + FP16
+        )
+    )
     assert "fp16 autocast + GradScaler" in out
     scaler = SnapshotStore(str(resumed / "snapshots")).load_latest()["scaler"]
     assert scaler["scale"] > 0 and "_growth_tracker" in scaler
-    assert "resume | step 10" in ok(run_main(tiny_overrides(shakespeare, resumed, max_steps=20, save_every=10,
-                                                             log_every=1) + FP16))
+    assert "resume | step 10" in ok(
+        run_main(
+            tiny_overrides(shakespeare, resumed, max_steps=20, save_every=10, log_every=1) + FP16
+        )
+    )
     assert [r["train_loss"] for r in losses(straight)] == [r["train_loss"] for r in losses(resumed)]
     a, b = (SnapshotStore(str(d / "snapshots")).load_latest() for d in (straight, resumed))
-    assert a["scaler"] == b["scaler"] and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert a["scaler"] == b["scaler"] and all(
+        torch.equal(a["model"][k], b["model"][k]) for k in a["model"]
+    )
 
 
 @pytest.mark.slow
 def test_fsdp_with_fp16_parameters_and_a_grad_scaler_trains_and_resumes(shakespeare, tmp_path):
-    args = tiny_overrides(shakespeare, tmp_path, max_steps=30, save_every=15, log_every=5) + [FSDP, *FP16] + \
-        ["optimizer_config.learning_rate=3e-3", "optimizer_config.warmup_steps=5"]
-    out = ok(run_main(args[:-len(args) + args.index(FSDP)] + ["trainer_config.max_steps=15"] + args[args.index(FSDP):],
-                      nproc=2))
+    args = (
+        tiny_overrides(shakespeare, tmp_path, max_steps=30, save_every=15, log_every=5)
+        + [FSDP, *FP16]
+        + ["optimizer_config.learning_rate=3e-3", "optimizer_config.warmup_steps=5"]
+    )
+    out = ok(
+        run_main(
+            args[: -len(args) + args.index(FSDP)]
+            + ["trainer_config.max_steps=15"]
+            + args[args.index(FSDP) :],
+            nproc=2,
+        )
+    )
     assert "fp16 parameters (FSDP mixed precision) + GradScaler" in out
     out = ok(run_main(args, nproc=2))
     assert "resume | step 15" in out
@@ -129,7 +196,9 @@ def test_the_loss_is_computed_in_fp32_under_fsdp_bf16_parameters(tmp_path):
 
     from model import GPT, GPTConfig
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
     try:
         torch.manual_seed(0)
         model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, vocab_size=65, block_size=16))
@@ -140,7 +209,10 @@ def test_the_loss_is_computed_in_fp32_under_fsdp_bf16_parameters(tmp_path):
         values = []
         for seed in range(8):
             g = torch.Generator().manual_seed(seed)
-            x, y = torch.randint(0, 65, (4, 16), generator=g), torch.randint(0, 65, (4, 16), generator=g)
+            x, y = (
+                torch.randint(0, 65, (4, 16), generator=g),
+                torch.randint(0, 65, (4, 16), generator=g),
+            )
             logits, loss = model(x, y)
             assert logits.dtype == torch.bfloat16 and loss.dtype == torch.float32
             values.append(loss.item())
@@ -165,8 +237,13 @@ def eager_ddp(shakespeare, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_compile_under_ddp_and_fsdp_trains_like_eager(parallel, eager_ddp, shakespeare, tmp_path):
-    out = ok(run_main(tiny_overrides(shakespeare, tmp_path, **COMPILE_SETTINGS) +
-                      [f"trainer_config.parallel={parallel}", "trainer_config.compile=true"], nproc=2))
+    out = ok(
+        run_main(
+            tiny_overrides(shakespeare, tmp_path, **COMPILE_SETTINGS)
+            + [f"trainer_config.parallel={parallel}", "trainer_config.compile=true"],
+            nproc=2,
+        )
+    )
     assert "+ compile" in out
     for a, b in zip(losses(eager_ddp), losses(tmp_path), strict=True):
         assert abs(a["train_loss"] - b["train_loss"]) < 1e-3, (a, b)
@@ -177,12 +254,16 @@ def test_sigkill_during_a_sharded_save_leaves_the_previous_snapshot_usable(shake
     args = tiny_overrides(shakespeare, tmp_path, max_steps=60, save_every=5) + [FSDP]
     snap_dir = tmp_path / "snapshots"
     # Rank 1 stops half-way through writing its shard of the step-10 snapshot, and the job is killed there.
-    job = start_main(args, nproc=2, script=REPO / "tests" / "faulty_main.py", env={"FAULT": "block_write:1:10"})
+    job = start_main(
+        args, nproc=2, script=REPO / "tests" / "faulty_main.py", env={"FAULT": "block_write:1:10"}
+    )
     for line in job.stdout:
         if "fault | rank 1 | blocked half-way through writing snapshot_00000010.g1.dcp/" in line:
             break
     kill_tree(job)
-    assert any(n.endswith(".tmp") for n in os.listdir(snap_dir / "snapshot_00000010.g1.dcp"))  # really mid-write
+    assert any(
+        n.endswith(".tmp") for n in os.listdir(snap_dir / "snapshot_00000010.g1.dcp")
+    )  # really mid-write
     assert [e["step"] for e in json.loads((snap_dir / MANIFEST).read_text())["snapshots"]] == [5]
     out = ok(run_main(args, nproc=2))
     assert "resume | step 5 |" in out and "done | step 60" in out

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
 
 STORY = {"main", "trainer", "model", "char_dataset", "prepare", "sample", "plot"}
@@ -54,7 +53,7 @@ def test_the_package_never_imports_the_story_and_nothing_imports_in_a_cycle():
         state[node] = 1
         for dep in sorted(graph[node]):
             if state.get(dep) == 1:
-                pytest.fail("import cycle: " + " -> ".join(path[path.index(dep):] + [dep]))
+                pytest.fail("import cycle: " + " -> ".join(path[path.index(dep) :] + [dep]))
             if dep not in state:
                 visit(dep, path + [dep])
         state[node] = 2
@@ -69,25 +68,55 @@ def test_config_imports_no_other_part_of_the_package():
     for name, path in modules.items():
         if name.startswith("mingpt_ddp.config"):
             deps = imports_of(path, modules)
-            assert all(d.startswith(("mingpt_ddp.config", "mingpt_ddp.errors")) for d in deps), (name, deps)
+            assert all(d.startswith(("mingpt_ddp.config", "mingpt_ddp.errors")) for d in deps), (
+                name,
+                deps,
+            )
 
 
 @pytest.mark.slow
 def test_a_plain_install_adds_one_package_that_builds_the_schema_outside_the_checkout(tmp_path):
     target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                    "--target", str(target), str(REPO)], check=True, capture_output=True, timeout=300)
-    installed = sorted(p.name for p in target.iterdir() if not p.name.endswith((".dist-info", ".egg-info")))
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(REPO),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    installed = sorted(
+        p.name for p in target.iterdir() if not p.name.endswith((".dist-info", ".egg-info"))
+    )
     assert installed == ["mingpt_ddp"], installed
-    code = ("from mingpt_ddp.config.schema import job_schema, sections; import mingpt_ddp, dataclasses; "
-            "print(mingpt_ddp.__file__); print(sorted(f.name for f in dataclasses.fields(job_schema())))")
+    code = (
+        "from mingpt_ddp.config.schema import job_schema, sections; import mingpt_ddp, dataclasses; "
+        "print(mingpt_ddp.__file__); print(sorted(f.name for f in dataclasses.fields(job_schema())))"
+    )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    result = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(target)!r}); {code}"],
-                            cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(target)!r}); {code}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     where, fields = result.stdout.splitlines()
     assert where.startswith(str(target))  # not the checkout's copy
-    assert fields == str(["data_config", "deepspeed_config", "gpt_config", "optimizer_config", "trainer_config"])
+    assert fields == str(
+        ["data_config", "deepspeed_config", "gpt_config", "optimizer_config", "trainer_config"]
+    )
 
 
 # --------------------------------------------------------------- one strategy per parallel mode
@@ -107,12 +136,17 @@ def test_the_trainer_and_the_snapshot_protocol_never_ask_which_parallel_mode_run
     assert not imported & modules, f"{file} imports {sorted(imported & modules)}"
     assert "trainer" not in imported or file == "trainer.py"
     # The mode's name is read once, to look its strategy up in the registry; nowhere else.
-    lookups = {id(call.args[0]) for call in ast.walk(tree) if isinstance(call, ast.Call)
-               and getattr(call.func, "id", "") == "build_strategy"}
+    lookups = {
+        id(call.args[0])
+        for call in ast.walk(tree)
+        if isinstance(call, ast.Call) and getattr(call.func, "id", "") == "build_strategy"
+    }
     for node in ast.walk(tree):
         if isinstance(node, ast.Compare):
             names = {c.value for c in ast.walk(node) if isinstance(c, ast.Constant)}
-            assert not names & (modes | {"zero", "sharded"}), f"{file}:{node.lineno} compares a mode"
+            assert not names & (modes | {"zero", "sharded"}), (
+                f"{file}:{node.lineno} compares a mode"
+            )
         if isinstance(node, ast.Attribute) and node.attr in {"parallel", "zero", "sharded"}:
             assert id(node) in lookups, f"{file}:{node.lineno} reads which mode runs"
 
@@ -122,14 +156,20 @@ def test_every_registered_mode_implements_the_strategy_contract():
     from mingpt_ddp.parallel.strategy import Strategy
     from mingpt_ddp.snapshots.layout import FileLayout
 
-    contract = ["train_step", "grad_norm", "optimizer_state_bytes", "tensor_state",
-                "load_tensor_state"]  # (evaluate, describe, check_snapshot: the base's fit most)
+    contract = [
+        "train_step",
+        "grad_norm",
+        "optimizer_state_bytes",
+        "tensor_state",
+        "load_tensor_state",
+    ]  # (evaluate, describe, check_snapshot: the base's fit most)
     for mode, path in STRATEGIES.items():
         cls = _load(path)
         assert issubclass(cls, Strategy), mode
         missing = [m for m in contract if getattr(cls, m) is getattr(Strategy, m)]
-        assert not missing or mode == "deepspeed" and missing == ["tensor_state", "load_tensor_state"], \
-            (mode, missing)  # DeepSpeed's engine saves and loads its own files (write/read_tensors)
+        assert (
+            not missing or mode == "deepspeed" and missing == ["tensor_state", "load_tensor_state"]
+        ), (mode, missing)  # DeepSpeed's engine saves and loads its own files (write/read_tensors)
         assert cls.layout is None or isinstance(cls.layout, FileLayout)
     layouts = file_layouts()  # the store's rules for multi-file snapshots come from the strategies
     assert {k: v.extension for k, v in layouts.items()} == {"sharded": "dcp", "deepspeed": "zero"}
@@ -140,7 +180,9 @@ PRAGMA = r"\s*#" + r" noqa\b.*$"  # (written in two pieces, or ruff would read i
 
 
 def story_and_package_files():
-    return [REPO / f"{name}.py" for name in sorted(STORY)] + sorted((REPO / "mingpt_ddp").rglob("*.py"))
+    return [REPO / f"{name}.py" for name in sorted(STORY)] + sorted(
+        (REPO / "mingpt_ddp").rglob("*.py")
+    )
 
 
 def test_no_module_over_350_lines_no_function_over_40_and_no_line_over_100_columns():
@@ -152,8 +194,9 @@ def test_no_module_over_350_lines_no_function_over_40_and_no_line_over_100_colum
             problems.append(f"{name}: {len(text.splitlines())} lines")
         # As ruff counts: a trailing pragma (# noqa: ...) is not part of the line's length.
         lines = [re.sub(PRAGMA, "", line) for line in text.splitlines()]
-        problems += [f"{name}:{i}: {len(line)} columns" for i, line in enumerate(lines, 1)
-                     if len(line) > 100]
+        problems += [
+            f"{name}:{i}: {len(line)} columns" for i, line in enumerate(lines, 1) if len(line) > 100
+        ]
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = node.end_lineno - node.lineno + 1

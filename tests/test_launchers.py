@@ -9,7 +9,6 @@ import os
 import sys
 
 import pytest
-
 from conftest import MAIN, free_port, run, tiny_overrides
 
 pytestmark = pytest.mark.slow
@@ -29,21 +28,57 @@ def test_accelerate_launch_starts_two_cpu_ranks(shakespeare, tmp_path):
     pytest.importorskip("accelerate")
     # --cpu alone runs one plain process (accelerate's simple launcher); --multi_gpu is the mode that
     # starts several ranks (it runs torchrun), and trainer_config.device=cpu keeps them on the CPU.
-    out = launch([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                  "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                  "--main_process_port", str(free_port()), MAIN,
-                  *tiny_overrides(shakespeare, tmp_path, max_steps=10, save_every=10)])
-    assert f"job | world size 2 | backend gloo | device cpu | {share_of_cores(2)} CPU threads per rank" in out
-    assert "done | step 10" in out and out.count("done | step") == 1  # one rank 0, not two solo runs
+    out = launch(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(free_port()),
+            MAIN,
+            *tiny_overrides(shakespeare, tmp_path, max_steps=10, save_every=10),
+        ]
+    )
+    assert (
+        f"job | world size 2 | backend gloo | device cpu | {share_of_cores(2)} CPU threads per rank"
+        in out
+    )
+    assert (
+        "done | step 10" in out and out.count("done | step") == 1
+    )  # one rank 0, not two solo runs
 
 
 def test_the_deepspeed_launcher_starts_two_cpu_ranks(shakespeare, tmp_path):
     pytest.importorskip("deepspeed")
     # --no_local_rank: the launcher would otherwise add --local_rank=N to the command line, which is
     # not a Hydra override; main.py reads LOCAL_RANK from the environment, as under torchrun.
-    out = launch([sys.executable, "-m", "deepspeed.launcher.runner", "--num_accelerators", "2", "--no_local_rank",
-                  "--master_port", str(free_port()), MAIN,
-                  *tiny_overrides(shakespeare, tmp_path, max_steps=10, save_every=10)], env={"DS_ACCELERATOR": "cpu"})
+    out = launch(
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.launcher.runner",
+            "--num_accelerators",
+            "2",
+            "--no_local_rank",
+            "--master_port",
+            str(free_port()),
+            MAIN,
+            *tiny_overrides(shakespeare, tmp_path, max_steps=10, save_every=10),
+        ],
+        env={"DS_ACCELERATOR": "cpu"},
+    )
     # The deepspeed launcher names the ranks per node LOCAL_SIZE: each rank takes its share of the cores.
-    assert f"job | world size 2 | backend gloo | device cpu | {share_of_cores(2)} CPU threads per rank" in out
+    assert (
+        f"job | world size 2 | backend gloo | device cpu | {share_of_cores(2)} CPU threads per rank"
+        in out
+    )
     assert "done | step 10" in out and out.count("done | step") == 1

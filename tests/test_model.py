@@ -4,13 +4,13 @@ import math
 
 import pytest
 import torch
+from conftest import tiny_gpt
 from torch.nn import functional as F
 
-from mingpt_ddp.errors import ConfigError
-from conftest import tiny_gpt
-from model import GPT, MODEL_SIZES, GPTConfig
 from mingpt_ddp.config.optimizer import OptimizerConfig
+from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.optim import build_optimizers
+from model import GPT, MODEL_SIZES, GPTConfig
 
 
 def tiny(**kw) -> GPT:
@@ -104,14 +104,21 @@ def test_optimizer_decays_matrices_but_not_biases_or_layernorm():
 def test_every_named_size_builds_a_valid_shape():
     for name, (n_layer, n_head, n_embd) in MODEL_SIZES.items():
         GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd)  # heads divide the width
-    assert MODEL_SIZES["gpt-micro"] == (GPTConfig().n_layer, GPTConfig().n_head, GPTConfig().n_embd)  # the default
+    assert MODEL_SIZES["gpt-micro"] == (
+        GPTConfig().n_layer,
+        GPTConfig().n_head,
+        GPTConfig().n_embd,
+    )  # the default
 
 
-@pytest.mark.parametrize("kwargs, needle", [
-    ({"n_embd": 100, "n_head": 3}, "divisible"),
-    ({"n_layer": 0}, "n_layer must be positive"),
-    ({"dropout": 1.5}, "dropout"),
-])
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"n_embd": 100, "n_head": 3}, "divisible"),
+        ({"n_layer": 0}, "n_layer must be positive"),
+        ({"dropout": 1.5}, "dropout"),
+    ],
+)
 def test_invalid_shapes_are_config_errors(kwargs, needle):
     with pytest.raises(ConfigError, match=needle):
         GPTConfig(**kwargs)
@@ -127,7 +134,9 @@ def test_attention_switched_to_fp32_under_bf16_autocast_gives_the_same_result_to
         for block in model.blocks:
             block.attn.fp32_under_autocast = fp32_attention
         seen = []
-        hook = model.blocks[0].attn.proj.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+        hook = model.blocks[0].attn.proj.register_forward_pre_hook(
+            lambda m, args: seen.append(args[0].dtype)
+        )
         with torch.autocast("cpu", dtype=torch.bfloat16):
             _, loss = model(idx, idx)
         hook.remove()

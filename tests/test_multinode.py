@@ -13,16 +13,25 @@ import sys
 import time
 
 import pytest
-
 from conftest import MAIN, free_port, lose_a_node, start, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
 
 def agent_cmd(endpoint: str, nnodes: str, *args: str, extra=()) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc_per_node=2",
-            "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", "--rdzv_id=test-job", *extra,
-            MAIN, *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        "--nproc_per_node=2",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint={endpoint}",
+        "--rdzv_id=test-job",
+        *extra,
+        MAIN,
+        *args,
+    ]
 
 
 def start_agent(cmd, prefix=()) -> subprocess.Popen:
@@ -50,7 +59,10 @@ def test_two_agents_on_loopback_train_snapshot_and_resume(shakespeare, tmp_path)
     assert "world size 4 | backend gloo" in out0 and "snapshot | step 10" in out0
     assert "snapshot |" not in out1  # node 1 has no global rank 0: it never writes
     out0, _ = run_two_agents(make(20))
-    assert "resume | step 10 | epoch 0 | 160 samples into the epoch | saved at world size 4, now 4" in out0
+    assert (
+        "resume | step 10 | epoch 0 | 160 samples into the epoch | saved at world size 4, now 4"
+        in out0
+    )
     assert "done | step 20" in out0
 
 
@@ -60,15 +72,20 @@ def test_elastic_job_loses_a_node_and_finishes_at_the_smaller_world_size(shakesp
     args = tiny_overrides(shakespeare, tmp_path, max_steps=80, save_every=20, log_every=20)
     # keep_alive_interval=1: the lost node's heartbeat is missed for 3 s (3 attempts), not 15 (the
     # default 5 s x 3), before the survivor's new round may leave it out.
-    elastic = ("--max-restarts=3", "--monitor-interval=0.5",
-               "--rdzv-conf=last_call_timeout=5,join_timeout=60,keep_alive_interval=1")
+    elastic = (
+        "--max-restarts=3",
+        "--monitor-interval=0.5",
+        "--rdzv-conf=last_call_timeout=5,join_timeout=60,keep_alive_interval=1",
+    )
     node0 = start_agent(agent_cmd(endpoint, "1:2", *args, extra=elastic))
     time.sleep(0.5)
     node1 = start_agent(agent_cmd(endpoint, "1:2", *args, extra=elastic))
     out = lose_a_node(node0, node1, after="snapshot | step 40")
     assert "world size 4 |" in out  # before the loss
     assert node0.returncode == 0, out[-3000:]
-    assert "job | world size 2 | backend gloo | device cpu | 1 CPU threads per rank | restart 1" in out
+    assert (
+        "job | world size 2 | backend gloo | device cpu | 1 CPU threads per rank | restart 1" in out
+    )
     assert "rank 2 died without a word" in out and "rank 3 died without a word" in out
     assert "saved at world size 4, now 2" in out
     assert "global batch kept at 16 windows = 4 per rank x 2 ranks x 2 accumulation steps" in out
@@ -82,18 +99,36 @@ def two_hosts():
         pytest.skip("iproute2 (`ip`) is not installed")
     tag = f"{os.getpid() % 100000}"
     ns, veth = [f"mgpt{tag}a", f"mgpt{tag}b"], [f"mgv{tag}a", f"mgv{tag}b"]
-    setup = [["ip", "netns", "add", ns[0]], ["ip", "netns", "add", ns[1]],
-             ["ip", "link", "add", veth[0], "type", "veth", "peer", "name", veth[1]]]
+    setup = [
+        ["ip", "netns", "add", ns[0]],
+        ["ip", "netns", "add", ns[1]],
+        ["ip", "link", "add", veth[0], "type", "veth", "peer", "name", veth[1]],
+    ]
     for i in (0, 1):
-        setup += [["ip", "link", "set", veth[i], "netns", ns[i]],
-                  ["ip", "netns", "exec", ns[i], "ip", "addr", "add", f"10.231.0.{i + 1}/24", "dev", veth[i]],
-                  ["ip", "netns", "exec", ns[i], "ip", "link", "set", veth[i], "up"],
-                  ["ip", "netns", "exec", ns[i], "ip", "link", "set", "lo", "up"]]
+        setup += [
+            ["ip", "link", "set", veth[i], "netns", ns[i]],
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns[i],
+                "ip",
+                "addr",
+                "add",
+                f"10.231.0.{i + 1}/24",
+                "dev",
+                veth[i],
+            ],
+            ["ip", "netns", "exec", ns[i], "ip", "link", "set", veth[i], "up"],
+            ["ip", "netns", "exec", ns[i], "ip", "link", "set", "lo", "up"],
+        ]
     try:
         for cmd in setup:
             result = subprocess.run(cmd, capture_output=True, text=True)
             if result.returncode != 0:
-                pytest.skip(f"network namespaces not permitted here: {' '.join(cmd)}: {result.stderr.strip()}")
+                pytest.skip(
+                    f"network namespaces not permitted here: {' '.join(cmd)}: {result.stderr.strip()}"
+                )
         yield [(ns[i], veth[i], f"10.231.0.{i + 1}") for i in (0, 1)]
     finally:
         for name in ns:

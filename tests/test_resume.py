@@ -11,8 +11,17 @@ import subprocess
 
 import pytest
 import torch
+from conftest import (
+    MAIN,
+    REPO,
+    descendants,
+    kill_tree,
+    run_main,
+    start_main,
+    tiny_overrides,
+    wait_for_line,
+)
 
-from conftest import MAIN, REPO, descendants, kill_tree, run_main, start_main, tiny_overrides, wait_for_line
 from mingpt_ddp.metrics import MetricsLog
 from mingpt_ddp.snapshots.store import MANIFEST, SnapshotStore
 
@@ -29,7 +38,10 @@ def final_weights(run_dir):
 
 
 def assert_same_run(a_dir, b_dir, max_steps):
-    a, b = MetricsLog.read(str(a_dir / "metrics.jsonl")), MetricsLog.read(str(b_dir / "metrics.jsonl"))
+    a, b = (
+        MetricsLog.read(str(a_dir / "metrics.jsonl")),
+        MetricsLog.read(str(b_dir / "metrics.jsonl")),
+    )
     assert [r["step"] for r in b] == list(range(1, max_steps + 1))  # every step once
     assert [r["train_loss"] for r in a] == [r["train_loss"] for r in b]
     wa, wb = final_weights(a_dir), final_weights(b_dir)
@@ -43,8 +55,13 @@ def test_sigkill_while_a_snapshot_is_being_written_keeps_the_previous_one(shakes
     job = start_job(args, script=FAULTY, env={"FAULT": "block_write:0:10"})
     wait_for_line(job, "fault | rank 0 | blocked half-way through writing snapshot_00000010.g1.pt")
     kill_tree(job)
-    assert any(n.startswith(".snapshot_00000010.g1.pt.") and n.endswith(".tmp") for n in os.listdir(snap_dir))
-    assert [e["step"] for e in json.loads((snap_dir / MANIFEST).read_text())["snapshots"]] == [5]  # not committed
+    assert any(
+        n.startswith(".snapshot_00000010.g1.pt.") and n.endswith(".tmp")
+        for n in os.listdir(snap_dir)
+    )
+    assert [e["step"] for e in json.loads((snap_dir / MANIFEST).read_text())["snapshots"]] == [
+        5
+    ]  # not committed
     resumed = run_main(args)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resume | step 5 |" in resumed.stdout
@@ -56,12 +73,16 @@ def test_sigterm_finishes_the_step_saves_and_resumes_exactly(ddp_reference, shak
     args = tiny_overrides(shakespeare, tmp_path, **settings) + extra
     job = start_job(args)
     lines = wait_for_line(job, "snapshot | step 10")
-    job.send_signal(signal.SIGTERM)  # what SLURM / Kubernetes send before killing; torchrun forwards it
+    job.send_signal(
+        signal.SIGTERM
+    )  # what SLURM / Kubernetes send before killing; torchrun forwards it
     rest, _ = job.communicate(timeout=60)
     log = "".join(lines) + rest
     assert "preempted | SIGTERM received | saving step" in log
     stopped_at = int(log.split("preempted | SIGTERM received | saving step ")[1].split(";")[0])
-    assert SnapshotStore(str(tmp_path / "snapshots")).load_latest()["step"] == stopped_at  # nothing lost
+    assert (
+        SnapshotStore(str(tmp_path / "snapshots")).load_latest()["step"] == stopped_at
+    )  # nothing lost
     resumed = run_main(args, nproc=2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resume | step {stopped_at} |" in resumed.stdout
@@ -74,7 +95,10 @@ def test_a_stop_signal_sent_to_every_process_of_the_job_still_saves_the_step(sha
     args = tiny_overrides(shakespeare, tmp_path, max_steps=100000, save_every=100000, log_every=20)
     job = start_job(args)
     lines = wait_for_line(job, "| loss ")
-    for pid in [*descendants(job.pid), job.pid]:  # the workers, then the agent, which forwards it again
+    for pid in [
+        *descendants(job.pid),
+        job.pid,
+    ]:  # the workers, then the agent, which forwards it again
         os.kill(pid, signal.SIGTERM)
     rest, _ = job.communicate(timeout=60)
     log = "".join(lines) + rest
@@ -84,7 +108,9 @@ def test_a_stop_signal_sent_to_every_process_of_the_job_still_saves_the_step(sha
     assert SnapshotStore(str(tmp_path / "snapshots")).load_latest()["step"] == stopped_at
 
 
-def test_a_second_ctrl_c_a_moment_later_stops_at_once_and_keeps_the_last_snapshot(shakespeare, tmp_path):
+def test_a_second_ctrl_c_a_moment_later_stops_at_once_and_keeps_the_last_snapshot(
+    shakespeare, tmp_path
+):
     args = tiny_overrides(shakespeare, tmp_path, max_steps=40, save_every=5)
     # One process, whose step-10 save hangs half-way (tests/faulty_main.py): the first Ctrl-C asks
     # for a snapshot that cannot come; the second, a moment later, is the user insisting.
@@ -101,12 +127,17 @@ def test_a_second_ctrl_c_a_moment_later_stops_at_once_and_keeps_the_last_snapsho
 
 def test_async_saves_give_the_same_run_and_the_same_snapshots(ddp_reference, shakespeare, tmp_path):
     straight, settings, extra = ddp_reference  # the same job, saving in the foreground
-    result = run_main(tiny_overrides(shakespeare, tmp_path, **settings, async_save="true") + extra, nproc=2)
+    result = run_main(
+        tiny_overrides(shakespeare, tmp_path, **settings, async_save="true") + extra, nproc=2
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "writing in the background" in result.stdout
     assert_same_run(straight.run_dir, tmp_path, settings["max_steps"])
-    assert sorted(p.name for p in (tmp_path / "snapshots").glob("snapshot_*.pt")) == \
-        ["snapshot_00000010.g1.pt", "snapshot_00000020.g1.pt", "snapshot_00000030.g1.pt"]
+    assert sorted(p.name for p in (tmp_path / "snapshots").glob("snapshot_*.pt")) == [
+        "snapshot_00000010.g1.pt",
+        "snapshot_00000020.g1.pt",
+        "snapshot_00000030.g1.pt",
+    ]
 
 
 def test_a_failing_background_save_fails_the_job(shakespeare, tmp_path):
@@ -138,24 +169,37 @@ def _epoch0_starts(trace_dir) -> list[int]:
 
 
 @pytest.mark.parametrize("before, after", [(2, 1), (4, 2)])
-def test_resume_at_another_world_size_sees_every_remaining_sample_once(before, after, shakespeare, tmp_path):
+def test_resume_at_another_world_size_sees_every_remaining_sample_once(
+    before, after, shakespeare, tmp_path
+):
     corpus = tmp_path / "small.txt"
     corpus.write_text(shakespeare.read_text()[:700])  # 598 training windows of 32: a short epoch
     n_windows, batch, first_leg = int(700 * 0.9) - 32, 4, 20
     consumed = first_leg * before * batch
-    remaining_steps = (n_windows - consumed) // (before * batch)  # the global batch is kept: accumulation grows
+    remaining_steps = (n_windows - consumed) // (
+        before * batch
+    )  # the global batch is kept: accumulation grows
     common = dict(eval_every=10_000, save_every=first_leg, trace_samples_path=tmp_path / "trace")
     first = run_main(tiny_overrides(corpus, tmp_path, max_steps=first_leg, **common), nproc=before)
     assert first.returncode == 0, first.stderr[-3000:]
-    second = run_main(tiny_overrides(corpus, tmp_path, max_steps=first_leg + remaining_steps, **common), nproc=after)
+    second = run_main(
+        tiny_overrides(corpus, tmp_path, max_steps=first_leg + remaining_steps, **common),
+        nproc=after,
+    )
     assert second.returncode == 0, second.stderr[-3000:]
-    assert f"resume | step {first_leg} | epoch 0 | {consumed} samples into the epoch | saved at world size " \
-           f"{before}, now {after}" in second.stdout
+    assert (
+        f"resume | step {first_leg} | epoch 0 | {consumed} samples into the epoch | saved at world size "
+        f"{before}, now {after}" in second.stdout
+    )
     seen = _epoch0_starts(tmp_path / "trace")
     assert len(seen) == len(set(seen))  # nothing repeated
     assert f"global batch kept at {before * batch} windows" in second.stdout
-    assert len(seen) == n_windows - (n_windows - consumed) % (before * batch)  # nothing skipped but the last partial batch
+    assert len(seen) == n_windows - (n_windows - consumed) % (
+        before * batch
+    )  # nothing skipped but the last partial batch
     # A later restart at the new size still keeps the global batch (the snapshot records it).
-    third = run_main(tiny_overrides(corpus, tmp_path, max_steps=first_leg + remaining_steps + 3, **common),
-                     nproc=after)
+    third = run_main(
+        tiny_overrides(corpus, tmp_path, max_steps=first_leg + remaining_steps + 3, **common),
+        nproc=after,
+    )
     assert f"global batch kept at {before * batch} windows" in ok_out(third)

@@ -1,11 +1,11 @@
 """Snapshots on S3, against a real S3-compatible server (moto_server) on loopback."""
 
 import pytest
-
 from conftest import run_main, tiny_overrides
 from s3_server import CREDENTIALS, CuttableProxy, MotoServer
-from mingpt_ddp.snapshots.store import SnapshotError, SnapshotStore
+
 from mingpt_ddp.snapshots.storage import S3Storage
+from mingpt_ddp.snapshots.store import SnapshotError, SnapshotStore
 
 
 def keys(s3, bucket: str) -> list[str]:
@@ -19,8 +19,11 @@ def test_save_load_and_keep_last_n_on_s3(s3, bucket):
     store.check_writable()
     for step in (1, 2, 3):
         store.save({"step": step, "w": torch.full((3,), float(step))}, step)
-    assert keys(s3, bucket) == ["run1/snapshots/latest.json", "run1/snapshots/snapshot_00000002.pt",
-                                "run1/snapshots/snapshot_00000003.pt"]
+    assert keys(s3, bucket) == [
+        "run1/snapshots/latest.json",
+        "run1/snapshots/snapshot_00000002.pt",
+        "run1/snapshots/snapshot_00000003.pt",
+    ]
     loaded = store.load_latest()
     assert loaded["step"] == 3 and torch.equal(loaded["w"], torch.full((3,), 3.0))
 
@@ -34,15 +37,22 @@ def test_big_objects_round_trip_through_multipart_upload_and_ranged_download(s3,
     assert "-" in head["ETag"]  # an ETag like "...-3" is what a multipart upload produces
 
 
-def test_training_run_saves_to_s3_and_resumes_from_it_finding_the_endpoint_in_the_environment(s3, bucket,
-                                                                                            shakespeare, tmp_path):
-    args = tiny_overrides(shakespeare, tmp_path, save_every=5) + [f"trainer_config.snapshot_path=s3://{bucket}/run"]
-    first = run_main(args + ["trainer_config.max_steps=10", f"trainer_config.s3_endpoint_url={s3.url}"],
-                     env=CREDENTIALS)
+def test_training_run_saves_to_s3_and_resumes_from_it_finding_the_endpoint_in_the_environment(
+    s3, bucket, shakespeare, tmp_path
+):
+    args = tiny_overrides(shakespeare, tmp_path, save_every=5) + [
+        f"trainer_config.snapshot_path=s3://{bucket}/run"
+    ]
+    first = run_main(
+        args + ["trainer_config.max_steps=10", f"trainer_config.s3_endpoint_url={s3.url}"],
+        env=CREDENTIALS,
+    )
     assert first.returncode == 0, first.stderr
     assert "snapshot_00000010.g1.pt" in keys(s3, bucket)[-1]  # g1: written under lease generation 1
     # The same job again, with the endpoint only in AWS_ENDPOINT_URL: it reads and writes there.
-    second = run_main(args + ["trainer_config.max_steps=15"], env={**CREDENTIALS, "AWS_ENDPOINT_URL": s3.url})
+    second = run_main(
+        args + ["trainer_config.max_steps=15"], env={**CREDENTIALS, "AWS_ENDPOINT_URL": s3.url}
+    )
     assert second.returncode == 0, second.stderr
     assert "resume | step 10" in second.stdout
     assert any(key.startswith("run/snapshot_00000015.") for key in keys(s3, bucket))
@@ -57,17 +67,27 @@ def _startup_error(args, env) -> str:
 
 
 def test_missing_bucket_fails_before_training(s3, shakespeare, tmp_path):
-    args = tiny_overrides(shakespeare, tmp_path) + ["trainer_config.snapshot_path=s3://no-such-bucket/x",
-                                                    f"trainer_config.s3_endpoint_url={s3.url}"]
+    args = tiny_overrides(shakespeare, tmp_path) + [
+        "trainer_config.snapshot_path=s3://no-such-bucket/x",
+        f"trainer_config.s3_endpoint_url={s3.url}",
+    ]
     err = _startup_error(args, CREDENTIALS)
     assert "NoSuchBucket" in err and "create the bucket" in err
 
 
 def test_missing_credentials_fail_before_training(s3, shakespeare, tmp_path):
-    args = tiny_overrides(shakespeare, tmp_path) + ["trainer_config.snapshot_path=s3://any-bucket/x",
-                                                    f"trainer_config.s3_endpoint_url={s3.url}"]
-    env = {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "", "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
-           "AWS_CONFIG_FILE": str(tmp_path / "none"), "AWS_EC2_METADATA_DISABLED": "true", "AWS_DEFAULT_REGION": "us-east-1"}
+    args = tiny_overrides(shakespeare, tmp_path) + [
+        "trainer_config.snapshot_path=s3://any-bucket/x",
+        f"trainer_config.s3_endpoint_url={s3.url}",
+    ]
+    env = {
+        "AWS_ACCESS_KEY_ID": "",
+        "AWS_SECRET_ACCESS_KEY": "",
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+        "AWS_CONFIG_FILE": str(tmp_path / "none"),
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
     err = _startup_error(args, env)
     assert "check the AWS credentials" in err
 
@@ -76,8 +96,10 @@ def test_missing_credentials_fail_before_training(s3, shakespeare, tmp_path):
 def test_bad_credentials_fail_before_training(shakespeare, tmp_path):
     server = MotoServer(require_auth=True)  # this server checks access keys
     try:
-        args = tiny_overrides(shakespeare, tmp_path) + ["trainer_config.snapshot_path=s3://any-bucket/x",
-                                                        f"trainer_config.s3_endpoint_url={server.url}"]
+        args = tiny_overrides(shakespeare, tmp_path) + [
+            "trainer_config.snapshot_path=s3://any-bucket/x",
+            f"trainer_config.s3_endpoint_url={server.url}",
+        ]
         err = _startup_error(args, {**CREDENTIALS, "AWS_ACCESS_KEY_ID": "AKIAWRONGWRONGWRONG"})
         assert "InvalidAccessKeyId" in err and "check the AWS credentials" in err
     finally:
@@ -88,25 +110,40 @@ def test_bad_credentials_fail_before_training(shakespeare, tmp_path):
 def test_unreachable_endpoint_fails_before_training(shakespeare, tmp_path):
     from conftest import free_port
 
-    args = tiny_overrides(shakespeare, tmp_path) + ["trainer_config.snapshot_path=s3://any-bucket/x",
-                                                    f"trainer_config.s3_endpoint_url=http://127.0.0.1:{free_port()}"]
+    args = tiny_overrides(shakespeare, tmp_path) + [
+        "trainer_config.snapshot_path=s3://any-bucket/x",
+        f"trainer_config.s3_endpoint_url=http://127.0.0.1:{free_port()}",
+    ]
     err = _startup_error(args, CREDENTIALS)
     assert "s3_endpoint_url" in err
 
 
 @pytest.mark.slow
-def test_server_dying_mid_upload_leaves_the_previous_snapshot_to_resume_from(s3, bucket, shakespeare, tmp_path):
+def test_server_dying_mid_upload_leaves_the_previous_snapshot_to_resume_from(
+    s3, bucket, shakespeare, tmp_path
+):
     proxy = CuttableProxy(s3.port)
-    args = tiny_overrides(shakespeare, tmp_path, save_every=10) + \
-        [f"trainer_config.snapshot_path=s3://{bucket}/run", f"trainer_config.s3_endpoint_url={proxy.url}"]
+    args = tiny_overrides(shakespeare, tmp_path, save_every=10) + [
+        f"trainer_config.snapshot_path=s3://{bucket}/run",
+        f"trainer_config.s3_endpoint_url={proxy.url}",
+    ]
     assert run_main(args + ["trainer_config.max_steps=10"], env=CREDENTIALS).returncode == 0
-    size = s3.client().head_object(Bucket=bucket, Key="run/snapshot_00000010.g1.pt")["ContentLength"]
+    size = s3.client().head_object(Bucket=bucket, Key="run/snapshot_00000010.g1.pt")[
+        "ContentLength"
+    ]
 
-    proxy.cut_after = proxy.sent + size // 2  # the line dies half-way through the next snapshot's upload
+    proxy.cut_after = (
+        proxy.sent + size // 2
+    )  # the line dies half-way through the next snapshot's upload
     failed = run_main(args + ["trainer_config.max_steps=30"], env=CREDENTIALS)
     assert proxy.is_cut and failed.returncode != 0
-    assert "snapshot save of step 20 to 's3://" in failed.stderr  # tried again at step 30, and failed again
-    assert "error: the last save of this run failed" in failed.stderr and "a rerun resumes from step 10" in failed.stderr
+    assert (
+        "snapshot save of step 20 to 's3://" in failed.stderr
+    )  # tried again at step 30, and failed again
+    assert (
+        "error: the last save of this run failed" in failed.stderr
+        and "a rerun resumes from step 10" in failed.stderr
+    )
     assert "snapshot_00000020" not in " ".join(keys(s3, bucket))  # no partial object became visible
 
     proxy.restore()

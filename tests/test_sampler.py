@@ -5,8 +5,8 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO
+
 from mingpt_ddp.corpus.order import DataCursor, FeistelPermutation
 
 
@@ -50,9 +50,13 @@ def test_the_scalar_and_vectorised_paths_agree():
 
 @pytest.mark.slow
 def test_the_order_is_the_same_in_another_process():
-    code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); from mingpt_ddp.corpus.order import FeistelPermutation; "
-            "torch.set_num_threads(1); print(FeistelPermutation(12345, 99, 5)(torch.arange(0, 12345, 97)).tolist())")
-    out = subprocess.run([sys.executable, "-c", code, str(REPO)], capture_output=True, text=True, check=True).stdout
+    code = (
+        "import sys, torch; sys.path.insert(0, sys.argv[1]); from mingpt_ddp.corpus.order import FeistelPermutation; "
+        "torch.set_num_threads(1); print(FeistelPermutation(12345, 99, 5)(torch.arange(0, 12345, 97)).tolist())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(REPO)], capture_output=True, text=True, check=True
+    ).stdout
     assert out.strip() == str(FeistelPermutation(12345, 99, 5)(torch.arange(0, 12345, 97)).tolist())
 
 
@@ -92,7 +96,9 @@ def test_resuming_at_another_world_size_sees_every_remaining_window_once(before,
     second, end = consume(n, after, batch, steps=remaining_steps, state=state)
     windows = sum(first, []) + sum(second, [])
     assert len(windows) == len(set(windows))  # nothing twice
-    assert len(windows) == n - (n - state["samples_consumed"]) % (after * batch)  # nothing skipped but a partial batch
+    assert len(windows) == n - (n - state["samples_consumed"]) % (
+        after * batch
+    )  # nothing skipped but a partial batch
     assert end["epoch"] == 0
 
 
@@ -110,5 +116,7 @@ def test_a_cursor_over_a_trillion_windows_materialises_nothing():
 
 
 def test_a_global_batch_larger_than_the_epoch_is_refused():
-    with pytest.raises(ValueError, match=r"one global batch \(2 ranks x 3\) is more than the 5 windows"):
+    with pytest.raises(
+        ValueError, match=r"one global batch \(2 ranks x 3\) is more than the 5 windows"
+    ):
         DataCursor(5, world_size=2, rank=0, seed=0).next_starts(3)

@@ -9,7 +9,12 @@ from mingpt_ddp.snapshots.store import MANIFEST, SnapshotError, SnapshotStore
 
 
 def state(step: int) -> dict:
-    return {"step": step, "model": {"w": torch.full((4, 4), float(step))}, "vocab": "abc", "rng": [None]}
+    return {
+        "step": step,
+        "model": {"w": torch.full((4, 4), float(step))},
+        "vocab": "abc",
+        "rng": [None],
+    }
 
 
 def test_round_trip_restores_tensors_and_metadata(tmp_path):
@@ -28,8 +33,14 @@ def test_keeps_only_the_newest_n(tmp_path):
     store = SnapshotStore(str(tmp_path), keep_last=2)
     for step in (10, 20, 30):
         store.save(state(step), step)
-    assert sorted(p.name for p in tmp_path.glob("snapshot_*.pt")) == ["snapshot_00000020.pt", "snapshot_00000030.pt"]
-    assert [e["step"] for e in json.loads((tmp_path / MANIFEST).read_text())["snapshots"]] == [20, 30]
+    assert sorted(p.name for p in tmp_path.glob("snapshot_*.pt")) == [
+        "snapshot_00000020.pt",
+        "snapshot_00000030.pt",
+    ]
+    assert [e["step"] for e in json.loads((tmp_path / MANIFEST).read_text())["snapshots"]] == [
+        20,
+        30,
+    ]
 
 
 def test_truncated_newest_snapshot_falls_back_to_the_previous_one(tmp_path, capsys):
@@ -81,6 +92,7 @@ def test_loading_refuses_pickled_code(tmp_path, capsys):
     class Evil:
         def __reduce__(self):
             return (print, ("pwned",))
+
     store = SnapshotStore(str(tmp_path))
     store.save({"step": 1, "payload": Evil()}, 1)
     assert store.load_latest() is None  # weights_only=True rejects arbitrary objects
@@ -93,7 +105,10 @@ def test_fsspec_urls_save_load_and_keep_only_the_newest(tmp_path):
     store.save(state(5), 5)
     store.save(state(6), 6)
     assert store.load_latest()["step"] == 6
-    assert sorted(store.storage.list()) == ["latest.json", "snapshot_00000006.pt"]  # step 5 deleted, no probe left
+    assert sorted(store.storage.list()) == [
+        "latest.json",
+        "snapshot_00000006.pt",
+    ]  # step 5 deleted, no probe left
     assert [e["step"] for e in json.loads(store.storage.read(MANIFEST))["snapshots"]] == [6]
 
 

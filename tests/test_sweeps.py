@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import MAIN, start, sweep_jobs, sweep_overrides
 from conftest import sweep as run_sweep
 
@@ -34,12 +33,23 @@ def tiny(shakespeare: Path, tmp_path: Path, **trainer) -> list[str]:
     return sweep_overrides(shakespeare, tmp_path, **{"max_steps": 10, **trainer})
 
 
-def test_joblib_runs_jobs_at_once_in_worker_processes_and_a_refused_one_fails_the_sweep(shakespeare, tmp_path):
-    pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="pip install hydra-joblib-launcher")
+def test_joblib_runs_jobs_at_once_in_worker_processes_and_a_refused_one_fails_the_sweep(
+    shakespeare, tmp_path
+):
+    pytest.importorskip(
+        "hydra_plugins.hydra_joblib_launcher", reason="pip install hydra-joblib-launcher"
+    )
     # Three jobs on two workers: two train at once, the third (refused: a negative learning rate)
     # runs in a worker that already ran a job. The basic launcher's case is in test_config.py.
-    result = sweep(["hydra/launcher=joblib", "hydra.launcher.n_jobs=2", *tiny(shakespeare, tmp_path),
-                    "optimizer_config.learning_rate=1e-3,8e-3,-1"], tmp_path)
+    result = sweep(
+        [
+            "hydra/launcher=joblib",
+            "hydra.launcher.n_jobs=2",
+            *tiny(shakespeare, tmp_path),
+            "optimizer_config.learning_rate=1e-3,8e-3,-1",
+        ],
+        tmp_path,
+    )
     assert result.returncode == 1, result.stderr[-3000:]
     assert "error: optimizer_config: need learning_rate > 0" in result.stderr
     assert "error: a sweep job failed with exit code 1" in result.stderr
@@ -51,30 +61,50 @@ def test_joblib_runs_jobs_at_once_in_worker_processes_and_a_refused_one_fails_th
 
 
 def test_an_optuna_sweep_minimises_the_final_validation_loss(shakespeare, tmp_path):
-    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="pip install hydra-optuna-sweeper")
-    result = sweep(["hydra/sweeper=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.sampler.seed=1",
-                    "optimizer_config.learning_rate=tag(log,interval(1e-4,1e-2))",
-                    *tiny(shakespeare, tmp_path)], tmp_path)
+    pytest.importorskip(
+        "hydra_plugins.hydra_optuna_sweeper", reason="pip install hydra-optuna-sweeper"
+    )
+    result = sweep(
+        [
+            "hydra/sweeper=optuna",
+            "hydra.sweeper.n_trials=3",
+            "hydra.sweeper.sampler.seed=1",
+            "optimizer_config.learning_rate=tag(log,interval(1e-4,1e-2))",
+            *tiny(shakespeare, tmp_path),
+        ],
+        tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    best = yaml.safe_load((tmp_path / "sweep" / "optimization_results.yaml").read_text())["best_value"]
+    best = yaml.safe_load((tmp_path / "sweep" / "optimization_results.yaml").read_text())[
+        "best_value"
+    ]
     losses = [final_val_loss(records) for records in jobs(tmp_path).values()]
     assert len(losses) == 3 and best == min(losses) and best < float("inf")
 
 
 def test_submitit_runs_each_job_as_a_slurm_job_and_a_preempted_one_resumes(shakespeare, tmp_path):
-    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install hydra-submitit-launcher")
+    pytest.importorskip(
+        "hydra_plugins.hydra_submitit_launcher", reason="pip install hydra-submitit-launcher"
+    )
     from slurm_cluster import SlurmCluster
     from test_slurm import wait_until
 
     cluster = SlurmCluster()
     try:
         # timeout_min 60: submitit counts a signal in the last 10 minutes as a time-out, not preemption.
-        args = ["hydra/launcher=submitit_slurm", f"hydra.launcher.submitit_folder={tmp_path / 'submitit'}",
-                "hydra.launcher.timeout_min=60", "hydra.launcher.mem_gb=null", "hydra.launcher.cpus_per_task=1",
-                "optimizer_config.learning_rate=1e-3,8e-3",
-                *tiny(shakespeare, tmp_path, max_steps=300, save_every=100000, eval_every=100000)]
-        proc = start([sys.executable, MAIN, "--multirun", f"hydra.sweep.dir={tmp_path / 'sweep'}", *args],
-                     env={"SLURM_CONF": cluster.conf})
+        args = [
+            "hydra/launcher=submitit_slurm",
+            f"hydra.launcher.submitit_folder={tmp_path / 'submitit'}",
+            "hydra.launcher.timeout_min=60",
+            "hydra.launcher.mem_gb=null",
+            "hydra.launcher.cpus_per_task=1",
+            "optimizer_config.learning_rate=1e-3,8e-3",
+            *tiny(shakespeare, tmp_path, max_steps=300, save_every=100000, eval_every=100000),
+        ]
+        proc = start(
+            [sys.executable, MAIN, "--multirun", f"hydra.sweep.dir={tmp_path / 'sweep'}", *args],
+            env={"SLURM_CONF": cluster.conf},
+        )
         logs = lambda: "".join(p.read_text() for p in (tmp_path / "submitit").glob("*_log.out"))  # noqa: E731
         wait_until(lambda: "| loss " in logs(), "a job to train", logs)
         first = cluster.run("squeue", "-h", "-o", "%i").split()[0]

@@ -18,23 +18,34 @@ import sys
 
 import torch
 import torch.distributed as dist
+from common import init, title
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import init, title
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root, for model.py
+sys.path.insert(
+    0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)  # repo root, for model.py
 from model import GPT, GPTConfig  # noqa: E402
 
-CFG = GPTConfig(n_layer=4, n_head=4, n_embd=128, vocab_size=65, block_size=64)  # the project's default GPT
+CFG = GPTConfig(
+    n_layer=4, n_head=4, n_embd=128, vocab_size=65, block_size=64
+)  # the project's default GPT
 
 
-def record_and_all_reduce(log, bucket):  # no annotations: DDP checks them (mingpt_ddp/parallel/plan.py explains)
+def record_and_all_reduce(
+    log, bucket
+):  # no annotations: DDP checks them (mingpt_ddp/parallel/plan.py explains)
     """Comm hook: note what DDP hands over, then average it over ranks like DDP's default hook."""
     grads = bucket.buffer()  # the bucket's gradients, flattened into one tensor
     names = [log["names"][id(p)] for p in bucket.parameters()]
-    log["calls"].append({"index": bucket.index(), "bytes": grads.numel() * grads.element_size(), "names": names,
-                         "full": 1 + max(log["ready"].index(n) for n in names),  # when its last gradient came
-                         "sent": len(log["ready"])})  # gradients ready now, as DDP launches this bucket
+    log["calls"].append(
+        {
+            "index": bucket.index(),
+            "bytes": grads.numel() * grads.element_size(),
+            "names": names,
+            "full": 1 + max(log["ready"].index(n) for n in names),  # when its last gradient came
+            "sent": len(log["ready"]),
+        }
+    )  # gradients ready now, as DDP launches this bucket
     grads.div_(dist.get_world_size())
     return dist.all_reduce(grads, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
@@ -56,14 +67,21 @@ def run(wrap=lambda gpt: gpt, **ddp_args) -> list[dict]:
     gpt = GPT(CFG)
     # named_parameters() lists the tied lm_head.weight once, as wte.weight: DDP reduces it once.
     log = {"names": {id(p): n for n, p in gpt.named_parameters()}, "ready": [], "calls": []}
-    for name, p in gpt.named_parameters():  # runs when p's gradient is complete, before DDP's own hook
+    for (
+        name,
+        p,
+    ) in gpt.named_parameters():  # runs when p's gradient is complete, before DDP's own hook
         p.register_post_accumulate_grad_hook(lambda p, name=name: log["ready"].append(name))
     ddp = DDP(wrap(gpt), **ddp_args)
-    ddp.register_comm_hook(log, record_and_all_reduce)  # `log` comes back as the hook's first argument
+    ddp.register_comm_hook(
+        log, record_and_all_reduce
+    )  # `log` comes back as the hook's first argument
     opt, steps = torch.optim.SGD(gpt.parameters(), lr=0.1), []
     for _ in range(2):
         log["ready"], log["calls"] = [], []
-        tokens = torch.randint(65, (4, 65), generator=torch.Generator().manual_seed(dist.get_rank()))
+        tokens = torch.randint(
+            65, (4, 65), generator=torch.Generator().manual_seed(dist.get_rank())
+        )
         opt.zero_grad()
         ddp(tokens[:, :-1], tokens[:, 1:])[1].backward()
         opt.step()
@@ -73,46 +91,86 @@ def run(wrap=lambda gpt: gpt, **ddp_args) -> list[dict]:
 
 if __name__ == "__main__":
     rank, _ = init()
-    runs = {"default": run(), "0.25": run(bucket_cap_mb=0.25), "25": run(bucket_cap_mb=25),
-            "find_unused": run(find_unused_parameters=True),  # DDP warns that nothing was unused: true here
-            "embeddings_last": run(EmbeddingsLast, find_unused_parameters=True, bucket_cap_mb=0.25)}
+    runs = {
+        "default": run(),
+        "0.25": run(bucket_cap_mb=0.25),
+        "25": run(bucket_cap_mb=25),
+        "find_unused": run(
+            find_unused_parameters=True
+        ),  # DDP warns that nothing was unused: true here
+        "embeddings_last": run(EmbeddingsLast, find_unused_parameters=True, bucket_cap_mb=0.25),
+    }
     header = f"{'call':>4} {'bucket':>6} {'KiB':>7} {'params':>6} {'full at':>8} {'sent at':>8}  first .. last"
-    for key, label, its in (("default", "bucket_cap_mb=None (the default)", 2), ("0.25", "bucket_cap_mb=0.25", 2),
-                            ("find_unused", "find_unused_parameters=True", 1),
-                            ("embeddings_last", "embeddings last, find_unused_parameters=True, bucket_cap_mb=0.25", 1)):
+    for key, label, its in (
+        ("default", "bucket_cap_mb=None (the default)", 2),
+        ("0.25", "bucket_cap_mb=0.25", 2),
+        ("find_unused", "find_unused_parameters=True", 1),
+        ("embeddings_last", "embeddings last, find_unused_parameters=True, bucket_cap_mb=0.25", 1),
+    ):
         for it, step in enumerate(runs[key][:its], 1):
             title(f"{label}, iteration {it}\n{header}")
             for i, c in enumerate(step["calls"] if rank == 0 else []):
                 n = len(step["ready"])
-                print(f"{i:>4} {c['index']:>6} {c['bytes'] / 1024:>7.1f} {len(c['names']):>6} {c['full']:>5}/{n} "
-                      f"{c['sent']:>5}/{n}  {c['names'][0]} .. {c['names'][-1]}")
-    if rank == 0:  # every True/False and number below comes from the tables: another torch may print others
-        params, flat = [n for n, _ in GPT(CFG).named_parameters()], lambda calls: [n for c in calls for n in c["names"]]
-        first, default, small = runs["default"][0], runs["default"][1]["calls"], runs["0.25"][1]["calls"]
+                print(
+                    f"{i:>4} {c['index']:>6} {c['bytes'] / 1024:>7.1f} {len(c['names']):>6} {c['full']:>5}/{n} "
+                    f"{c['sent']:>5}/{n}  {c['names'][0]} .. {c['names'][-1]}"
+                )
+    if (
+        rank == 0
+    ):  # every True/False and number below comes from the tables: another torch may print others
+        params, flat = (
+            [n for n, _ in GPT(CFG).named_parameters()],
+            lambda calls: [n for c in calls for n in c["names"]],
+        )
+        first, default, small = (
+            runs["default"][0],
+            runs["default"][1]["calls"],
+            runs["0.25"][1]["calls"],
+        )
         total, b0, el = first["calls"][0]["bytes"], default[0], runs["embeddings_last"][0]["calls"]
         fu, fu2 = (step["calls"] for step in runs["find_unused"])
-        print(f"\n{len(params)} parameter tensors, {total} bytes of fp32 gradients (tied lm_head.weight counted once).")
-        print(f"Iteration 1 (default arguments): {len(first['calls'])} bucket(s); model.parameters() order: "
-              f"{flat(first['calls']) == params}; sent after {first['calls'][0]['sent']}/{len(params)} gradients.")
-        print(f"Iteration 2: buckets follow the order gradients became ready in iteration 1 ({first['ready'][0]} "
-              f"first, {first['ready'][-1]} last): {flat(default) == first['ready']}; {len(default)} buckets at the "
-              f"default cap, {len(small)} at bucket_cap_mb=0.25, {len(runs['25'][1]['calls'])} if bucket_cap_mb=25 is "
-              f"passed explicitly (the 1 MiB first bucket below is only for bucket_cap_mb=None).")
-        print(f"Bucket 0 holds the last {len(b0['names'])} parameters of model.parameters(): "
-              f"{set(b0['names']) == set(params[-len(b0['names']):])}; {b0['bytes']} bytes for a 1 MiB cap "
-              f"({2 ** 20} bytes): a bucket closes at the parameter that reaches its cap ({b0['names'][-1]}).")
-        print(f"find_unused_parameters=True: model.parameters() cut into buckets in reverse order: "
-              f"{flat(fu[::-1]) == params}; never rebuilt: {fu == fu2}; the last bucket ({fu[-1]['bytes']} bytes) "
-              f"holds the first-defined parameters ({fu[-1]['names'][0]} first).")
-        in_order = all([c["index"] for c in s["calls"]] == [*range(len(s["calls"]))] for r in runs.values() for s in r)
-        print(f"Hooks ran in bucket-index order in every run: {in_order}. Embeddings listed last: bucket 0 "
-              f"({', '.join(el[0]['names'][-3:])}) was full only at gradient {el[0]['full']}/{len(params)}, so "
-              f"{sum(c['sent'] > c['full'] for c in el)} buckets full earlier waited for it.")
+        print(
+            f"\n{len(params)} parameter tensors, {total} bytes of fp32 gradients (tied lm_head.weight counted once)."
+        )
+        print(
+            f"Iteration 1 (default arguments): {len(first['calls'])} bucket(s); model.parameters() order: "
+            f"{flat(first['calls']) == params}; sent after {first['calls'][0]['sent']}/{len(params)} gradients."
+        )
+        print(
+            f"Iteration 2: buckets follow the order gradients became ready in iteration 1 ({first['ready'][0]} "
+            f"first, {first['ready'][-1]} last): {flat(default) == first['ready']}; {len(default)} buckets at the "
+            f"default cap, {len(small)} at bucket_cap_mb=0.25, {len(runs['25'][1]['calls'])} if bucket_cap_mb=25 is "
+            f"passed explicitly (the 1 MiB first bucket below is only for bucket_cap_mb=None)."
+        )
+        print(
+            f"Bucket 0 holds the last {len(b0['names'])} parameters of model.parameters(): "
+            f"{set(b0['names']) == set(params[-len(b0['names']) :])}; {b0['bytes']} bytes for a 1 MiB cap "
+            f"({2**20} bytes): a bucket closes at the parameter that reaches its cap ({b0['names'][-1]})."
+        )
+        print(
+            f"find_unused_parameters=True: model.parameters() cut into buckets in reverse order: "
+            f"{flat(fu[::-1]) == params}; never rebuilt: {fu == fu2}; the last bucket ({fu[-1]['bytes']} bytes) "
+            f"holds the first-defined parameters ({fu[-1]['names'][0]} first)."
+        )
+        in_order = all(
+            [c["index"] for c in s["calls"]] == [*range(len(s["calls"]))]
+            for r in runs.values()
+            for s in r
+        )
+        print(
+            f"Hooks ran in bucket-index order in every run: {in_order}. Embeddings listed last: bucket 0 "
+            f"({', '.join(el[0]['names'][-3:])}) was full only at gradient {el[0]['full']}/{len(params)}, so "
+            f"{sum(c['sent'] > c['full'] for c in el)} buckets full earlier waited for it."
+        )
         for key, calls in (("the default cap", default), ("bucket_cap_mb=0.25", small)):
-            early = [c for c in calls if c["sent"] < len(params)]  # launched before the last gradient was ready
-            print(f"At {key}: {len(calls)} buckets, {len(early)} sent while backward was still running, with "
-                  f"{sum(c['bytes'] for c in early) * 100 // total}% of the {total / 1e6:.1f} MB; the rest waits "
-                  f"for the end of backward.")
+            early = [
+                c for c in calls if c["sent"] < len(params)
+            ]  # launched before the last gradient was ready
+            print(
+                f"At {key}: {len(calls)} buckets, {len(early)} sent while backward was still running, with "
+                f"{sum(c['bytes'] for c in early) * 100 // total}% of the {total / 1e6:.1f} MB; the rest waits "
+                f"for the end of backward."
+            )
         if len(sys.argv) > 1:
             with open(sys.argv[1], "w") as f:
                 json.dump({"params": params, "runs": runs}, f, indent=1)

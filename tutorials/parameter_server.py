@@ -14,7 +14,6 @@ import time
 
 import torch
 import torch.distributed as dist
-
 from common import init, say, title
 from ring_allreduce import ring_all_reduce
 
@@ -47,7 +46,9 @@ def ring(t: torch.Tensor) -> tuple[int, int]:
 if __name__ == "__main__":
     rank, world = init()
     x = torch.randn(MiB) + rank  # 2^20 float32 = 4 MiB
-    title(f"{world} ranks, a 4 MiB float32 tensor: what each rank sends and receives, and the time (mean of 5)")
+    title(
+        f"{world} ranks, a 4 MiB float32 tensor: what each rank sends and receives, and the time (mean of 5)"
+    )
     for name, fn in (("parameter server", parameter_server_all_reduce), ("ring", ring)):
         result = x.clone()
         sent, received = fn(result)
@@ -59,5 +60,7 @@ if __name__ == "__main__":
         for _ in range(5):
             fn(x.clone())
         ms = 1e3 * (time.perf_counter() - t0) / 5
-        say(f"{name:<17} sent {sent / MiB:5.2f} MiB  received {received / MiB:5.2f} MiB  {ms:7.1f} ms")
+        say(
+            f"{name:<17} sent {sent / MiB:5.2f} MiB  received {received / MiB:5.2f} MiB  {ms:7.1f} ms"
+        )
     dist.destroy_process_group()

@@ -15,7 +15,6 @@ import time
 
 import torch
 import torch.distributed as dist
-
 from common import init, say, title
 
 
@@ -50,22 +49,32 @@ if __name__ == "__main__":
     title(f"ring all-reduce on {world} ranks vs dist.all_reduce")
     for dtype in (torch.int64, torch.float32):
         g = torch.Generator().manual_seed(rank)
-        x = torch.randint(-1000, 1000, (1003,), generator=g).to(dtype)  # 1003: chunks of unequal size
+        x = torch.randint(-1000, 1000, (1003,), generator=g).to(
+            dtype
+        )  # 1003: chunks of unequal size
         if dtype.is_floating_point:
             x = x / 7.0
         ours, reference = x.clone(), x.clone()
         sent = ring_all_reduce(ours)
         dist.all_reduce(reference)
-        same = torch.equal(ours, reference) if not dtype.is_floating_point else \
-            torch.allclose(ours, reference, rtol=1e-5, atol=1e-4)
+        same = (
+            torch.equal(ours, reference)
+            if not dtype.is_floating_point
+            else torch.allclose(ours, reference, rtol=1e-5, atol=1e-4)
+        )
         ok &= same
         formula = 2 * (world - 1) / world * x.numel() * x.element_size()
-        say(f"{str(dtype):<13} matches dist.all_reduce: {'exactly' if not dtype.is_floating_point and same else 'within float tolerance' if same else 'NO'}"
-            f" | sent {sent} bytes, 2(N-1)/N x size = {formula:.0f}")
+        say(
+            f"{str(dtype):<13} matches dist.all_reduce: {'exactly' if not dtype.is_floating_point and same else 'within float tolerance' if same else 'NO'}"
+            f" | sent {sent} bytes, 2(N-1)/N x size = {formula:.0f}"
+        )
 
     title("time for a 4 MiB float32 tensor (2^20 float32, mean of 5)")
     big = torch.randn(1 << 20)
-    for name, fn in (("ring from send/recv", ring_all_reduce), ("dist.all_reduce", dist.all_reduce)):
+    for name, fn in (
+        ("ring from send/recv", ring_all_reduce),
+        ("dist.all_reduce", dist.all_reduce),
+    ):
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(5):

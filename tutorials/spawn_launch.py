@@ -35,8 +35,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def worker(local_rank: int, nproc: int, port: int, overrides: list[str]) -> None:
     """Runs in each child process; mp.spawn passes local_rank = 0 .. nproc-1."""
     # One machine: the global rank is the local rank. These are the variables torchrun sets.
-    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc),
-                      LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     sys.path.insert(0, REPO)
     import main
 
@@ -47,9 +53,15 @@ def worker(local_rank: int, nproc: int, port: int, overrides: list[str]) -> None
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description="Train main.py's model with torch.multiprocessing.spawn.")
-    parser.add_argument("--nproc", type=int, default=2, help="processes (ranks) to start on this machine")
-    parser.add_argument("overrides", nargs="*", help="config overrides, as for main.py (section.key=value)")
+    parser = argparse.ArgumentParser(
+        description="Train main.py's model with torch.multiprocessing.spawn."
+    )
+    parser.add_argument(
+        "--nproc", type=int, default=2, help="processes (ranks) to start on this machine"
+    )
+    parser.add_argument(
+        "overrides", nargs="*", help="config overrides, as for main.py (section.key=value)"
+    )
     args = parser.parse_args()
     sys.path.insert(0, REPO)
     import main as training  # (imported here, so no RANK is set yet: it prints as the parent)
@@ -57,16 +69,23 @@ def main() -> int:
     try:  # refuse a bad config once, here, rather than in every child at once
         training.to_job(training.compose(args.overrides))
     except Exception as e:  # noqa: BLE001 - Hydra's composition errors and ConfigError, one line each
-        cause = f" ({str(e.__cause__).splitlines()[0]})" if e.__cause__ else ""  # Hydra's reason, e.g. the key
+        cause = (
+            f" ({str(e.__cause__).splitlines()[0]})" if e.__cause__ else ""
+        )  # Hydra's reason, e.g. the key
         print(f"error: {str(e).splitlines()[0]}{cause}", file=sys.stderr)
         return 1
-    with socket.socket() as s:  # a free port for the rendezvous (torchrun --standalone does the same)
+    with (
+        socket.socket() as s
+    ):  # a free port for the rendezvous (torchrun --standalone does the same)
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     try:
         # join=True: wait for all children; if one fails, the others are terminated and this raises.
         mp.spawn(worker, args=(args.nproc, port, args.overrides), nprocs=args.nproc, join=True)
-    except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:  # a child exited non-zero, or raised
+    except (
+        mp.ProcessExitedException,
+        mp.ProcessRaisedException,
+    ) as e:  # a child exited non-zero, or raised
         print(f"error: rank {e.error_index} failed; see its message above", file=sys.stderr)
         return 1
     return 0
