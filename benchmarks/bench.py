@@ -1,8 +1,8 @@
 """Training speed, mode by mode: tokens/s, ms/step, MFU, data-loading share and snapshot stall.
 
-    python benchmarks/bench.py --data data/tinyshakespeare/input.txt            # CPU table (~5 min on 2 cores)
-    python benchmarks/bench.py --recipe shakespeare-gpu --data ...               # on a GPU machine
-    python benchmarks/bench.py --smoke --data ...                                # seconds: what CI runs
+    python benchmarks/bench.py --data data/tinyshakespeare/input.txt # CPU table (~5 min on 2 cores)
+    python benchmarks/bench.py --recipe shakespeare-gpu --data ...    # on a GPU machine
+    python benchmarks/bench.py --smoke --data ...                     # seconds: what CI runs
 
 Every mode is a real, short training run of main.py (torchrun for the multi-process
 ones) at the same *global* batch, so the rows compare like with like: one process,
@@ -45,8 +45,9 @@ import torch  # noqa: E402
 from mingpt_ddp.metrics import MetricsLog  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
-# Recipes are the `recipe` config group (mingpt_ddp/config/schema.py): the shape, context and batch each sets, composed
-# the way main.py composes them. Their batch is the global batch of every mode here.
+# Recipes are the `recipe` config group (mingpt_ddp/config/schema.py): the shape, context and batch
+# each sets, composed the way main.py composes them. Their batch is the global batch of every mode
+# here.
 RECIPES = ["nanogpt-cpu", "shakespeare-gpu", "gpt2-gpu"]
 SMOKE = ["model=tiny", "data_config.block_size=32", "trainer_config.batch_size=8"]
 
@@ -193,7 +194,8 @@ def run_mode(
 
 def markdown_table(rows: list[dict]) -> str:
     lines = [
-        "| mode | ms/step | tokens/s | MFU | data % | snapshot blocked / cost | first-window extra |",
+        "| mode | ms/step | tokens/s | MFU | data % "
+        "| snapshot blocked / cost | first-window extra |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -205,7 +207,8 @@ def markdown_table(rows: list[dict]) -> str:
         peak = "" if r["precision"] == "fp32" else f" of {r['precision']} peak"
         lines.append(
             f"| {r['mode']} | {r['ms_per_step']:.1f} | {r['tokens_per_sec'] / 1e3:.1f}k | "
-            f"{100 * r['mfu']:.1f}%{peak} | {r['data_pct']:.2f} | {snap} | {r['first_window_extra_s']:.1f} s |"
+            f"{100 * r['mfu']:.1f}%{peak} | {r['data_pct']:.2f} | {snap} | "
+            f"{r['first_window_extra_s']:.1f} s |"
         )
     return "\n".join(lines)
 
@@ -248,12 +251,14 @@ def main() -> int:
 
     if not modes:
         sys.exit(
-            f"error: --modes {args.modes!r} matches none of: {', '.join(m[0] for m in CPU_MODES + GPU_MODES)}"
+            f"error: --modes {args.modes!r} matches none of: "
+            f"{', '.join(m[0] for m in CPU_MODES + GPU_MODES)}"
         )
     if steps < 3 * log_every:
         sys.exit(
-            f"error: --steps must be at least 3 x --log-every ({3 * log_every}): the first window (start-up, "
-            "compilation) is left out, and the snapshot needs a window of its own"
+            f"error: --steps must be at least 3 x --log-every ({3 * log_every}): "
+            "the first window (start-up, compilation) is left out, "
+            "and the snapshot needs a window of its own"
         )
     hw = hardware()
     size = 512 if args.smoke else 4096 if torch.cuda.is_available() else 2048
@@ -264,12 +269,15 @@ def main() -> int:
     vocab = len(set(open(args.data, encoding="utf-8").read()))
     fpt = flops_per_token(recipe, vocab)
     print(
-        f"bench | {hw['device']} | {hw.get('cores', hw.get('gpus'))} {'cores' if 'cores' in hw else 'GPUs'} | "
-        f"torch {hw['torch']} | matmul peak fp32 {peaks['fp32']:.0f} / bf16 {peaks['bf16']:.0f} GFLOP/s"
+        f"bench | {hw['device']} | "
+        f"{hw.get('cores', hw.get('gpus'))} {'cores' if 'cores' in hw else 'GPUs'} | "
+        f"torch {hw['torch']} | "
+        f"matmul peak fp32 {peaks['fp32']:.0f} / bf16 {peaks['bf16']:.0f} GFLOP/s"
     )
     print(
         f"bench | recipe {recipe_name}: {recipe[0]} layers x {recipe[1]} heads x {recipe[2]} wide, "
-        f"context {recipe[3]}, global batch {recipe[4]} | {fpt / 1e6:.2f} MFLOP/token | {steps} steps per mode"
+        f"context {recipe[3]}, global batch {recipe[4]} | {fpt / 1e6:.2f} MFLOP/token | "
+        f"{steps} steps per mode"
     )
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-") as workdir:
@@ -278,7 +286,8 @@ def main() -> int:
             row["mfu"] = round(row["tokens_per_sec"] * fpt / (peaks[row["precision"]] * 1e9), 4)
             rows.append(row)
             print(
-                f"bench | {name} | {row['ms_per_step']:.1f} ms/step | {row['tokens_per_sec'] / 1e3:.1f}k tok/s | "
+                f"bench | {name} | {row['ms_per_step']:.1f} ms/step | "
+                f"{row['tokens_per_sec'] / 1e3:.1f}k tok/s | "
                 f"MFU {100 * row['mfu']:.1f}% | data {row['data_pct']:.2f}%",
                 flush=True,
             )

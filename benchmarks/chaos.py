@@ -1,4 +1,5 @@
-"""Chaos trials: SIGKILL a random rank at a random step of a torchrun job, K times, and measure recovery.
+"""Chaos trials: SIGKILL a random rank at a random step of a torchrun job, K times, and measure
+recovery.
 
     python benchmarks/chaos.py --trials 20 --data data/tinyshakespeare/input.txt
 
@@ -89,7 +90,7 @@ def trial(i: int, rng: random.Random, args, run_dir: str) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trials", type=int, default=20)
     p.add_argument("--data", default="data/tinyshakespeare/input.txt")
     p.add_argument("--nproc", type=int, default=2)

@@ -1,8 +1,12 @@
-"""The study notes' comparison table, reproduced: one fixed workload, launched every way the notes time it.
+"""The study notes' comparison table, reproduced: one fixed workload, launched every way the notes
+time it.
 
-    python benchmarks/compare.py --data data/tinyshakespeare/input.txt      # CPU: 2 ranks per row (~4 min, 2 cores)
-    python benchmarks/compare.py --gpu --data ...                           # GPU machine: a rank per GPU, bf16 recipe
-    python benchmarks/compare.py --smoke --data ...                         # seconds: what CI runs
+    # CPU: 2 ranks per row (~4 min, 2 cores)
+    python benchmarks/compare.py --data data/tinyshakespeare/input.txt
+    # GPU machine: a rank per GPU, bf16 recipe
+    python benchmarks/compare.py --gpu --data ...
+    # seconds: what CI runs
+    python benchmarks/compare.py --smoke --data ...
 
 The notes time one workload under a single GPU, nn.DataParallel, DDP under torchrun, DDP
 under mp.spawn, DDP + AMP, Horovod, DeepSpeed and accelerate (2.83 / 2.03 / 1.41 / 1.49 /
@@ -29,9 +33,10 @@ from common import REPO, free_port, hardware, main_command, run
 
 sys.path.insert(0, REPO)
 
-# What `pip install horovod==0.28.1` (its newest release, 2023) did here, with HOROVOD_WITH_PYTORCH=1
-# HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 against torch 2.13: its common and gloo parts compiled, then
-# its PyTorch extension, which Horovod compiles with -std=c++14, stopped at torch's headers.
+# What `pip install horovod==0.28.1` (its newest release, 2023) did here, with
+# HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 against torch 2.13: its common
+# and gloo parts compiled, then its PyTorch extension, which Horovod compiles with -std=c++14,
+# stopped at torch's headers.
 HOROVOD = (
     'does not build against torch 2.13: "torch/all.h: error: #error C++17 or later compatible '
     'compiler is required to use PyTorch" (Horovod 0.28.1 compiles with -std=c++14)'
@@ -64,7 +69,8 @@ ROWS = [
     ("accelerate", 1.37, "DDP, accelerate launch", "accelerate", ["parallel=ddp"]),
     ("-", None, "FSDP (PyTorch's ZeRO-3)", "torchrun", ["parallel=fsdp"]),
 ]
-# The workload: (model and batch overrides, steps). Global batch = batch_size x ranks, the same in every row.
+# The workload: (model and batch overrides, steps). Global batch = batch_size x ranks, the same in
+# every row.
 WORKLOADS = {
     "cpu": (["model=gpt-micro", "data_config.block_size=64"], 8, 200),
     "gpu": (["recipe=shakespeare-gpu", "trainer_config.compile=false"], 64, 1000),
@@ -73,7 +79,8 @@ WORKLOADS = {
 
 
 def command(launcher: str, nproc: int, args: list[str]) -> tuple[list[str], dict]:
-    """The command line (and extra environment) that starts main.py with nproc ranks under a launcher."""
+    """The command line (and extra environment) that starts main.py with nproc ranks under a
+    launcher."""
     main_py, port = os.path.join(REPO, "main.py"), str(free_port())
     py = sys.executable
     if launcher == "python":
@@ -159,7 +166,9 @@ def run_row(row: tuple, nproc: int, workload: tuple, data: str, device: str, wor
     if result.returncode != 0 or not done:
         return {
             **out,
-            "skipped": f"failed (exit {result.returncode}): {(result.stderr or result.stdout)[-300:]}",
+            "skipped": (
+                f"failed (exit {result.returncode}): {(result.stderr or result.stdout)[-300:]}"
+            ),
         }
     tokens = (
         int(re.search(r"= (\d+) tokens \| steps", result.stdout).group(1)) * steps
@@ -178,8 +187,8 @@ def run_row(row: tuple, nproc: int, workload: tuple, data: str, device: str, wor
 
 def markdown_table(rows: list[dict]) -> str:
     lines = [
-        "| the notes' row (their minutes) | here | ranks | launch to exit, s | tokens/s, end to end | "
-        "peak memory per rank, MiB | val loss |",
+        "| the notes' row (their minutes) | here | ranks | launch to exit, s "
+        "| tokens/s, end to end | peak memory per rank, MiB | val loss |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -191,14 +200,14 @@ def markdown_table(rows: list[dict]) -> str:
             f" host, {r['peak_gpu_mib']} GPU" if r["peak_gpu_mib"] else ""
         )
         lines.append(
-            f"| {notes} | {r['here']} | {r['ranks']} | {r['wall_s']:.1f} | {r['tokens_per_s']:,} | {mem} | "
-            f"{r['val_loss']:.4f} |"
+            f"| {notes} | {r['here']} | {r['ranks']} | {r['wall_s']:.1f} | "
+            f"{r['tokens_per_s']:,} | {mem} | {r['val_loss']:.4f} |"
         )
     return "\n".join(lines)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--data", default=os.path.join(REPO, "data", "tinyshakespeare", "input.txt")
     )
@@ -235,18 +244,19 @@ def main() -> int:
         sys.exit(f"error: --rows {args.rows!r} matches none of: {', '.join(r[2] for r in ROWS)}")
     hw = hardware()["device"]
     print(
-        f"compare | {hw} | {os.cpu_count()} cores | torch {torch.__version__} | {nproc} ranks per row | "
+        f"compare | {hw} | {os.cpu_count()} cores | torch {torch.__version__} | "
+        f"{nproc} ranks per row | "
         f"{' '.join(workload[0])}, {workload[1]} windows per rank, {workload[2]} steps",
         flush=True,
     )
     results = []
     with tempfile.TemporaryDirectory(prefix="compare-") as workdir:
         zero_rows = [r for r in rows if any(o.startswith("parallel=zero") for o in r[4])]
-        if (
-            zero_rows
-        ):  # DeepSpeed's first use on a machine compiles an op (about a minute): not part of a row
+        # DeepSpeed's first use on a machine compiles an op (about a minute): not part of a row
+        if zero_rows:
             print(
-                "compare | warm-up, not timed: one short DeepSpeed run (its first use compiles a shared-memory op)",
+                "compare | warm-up, not timed: one short DeepSpeed run "
+                "(its first use compiles a shared-memory op)",
                 flush=True,
             )
             run_row(

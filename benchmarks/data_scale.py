@@ -1,7 +1,8 @@
-"""Does the data path scale? Prepare time, start-up, step time and per-rank memory from 1 MB to 1 GB of text.
+"""Does the data path scale? Prepare time, start-up, step time and per-rank memory from 1 MB to 1 GB
+of text.
 
-    python benchmarks/data_scale.py                    # 1 MB, 100 MB, 1 GB ASCII + 100 MB CJK, 4 ranks (~5 min)
-    python benchmarks/data_scale.py --smoke            # seconds: what CI runs
+    python benchmarks/data_scale.py  # 1 MB, 100 MB, 1 GB ASCII + 100 MB CJK, 4 ranks (~5 min)
+    python benchmarks/data_scale.py --smoke  # seconds: what CI runs
 
 For each generated corpus (tiny Shakespeare repeated; a CJK text of 5,000 distinct
 characters drawn with Zipf-like frequencies) it:
@@ -71,11 +72,12 @@ def make_corpus(path: str, kind: str, size: int, shakespeare: str) -> None:
 def prepare(corpus: str, cache: str) -> dict:
     """prepare.py in a fresh process; it reports its own time and peak RSS."""
     code = (
-        "import json, resource, sys, time; sys.path.insert(0, sys.argv[1]); from mingpt_ddp.corpus import prepare; t0 = time.perf_counter(); "
+        "import json, resource, sys, time; sys.path.insert(0, sys.argv[1]); "
+        "from mingpt_ddp.corpus import prepare; t0 = time.perf_counter(); "
         "p = prepare.ensure_prepared(sys.argv[2], sys.argv[3], log=lambda _: None); "
         "print(json.dumps({'seconds': time.perf_counter() - t0, 'peak_rss_mb': resource.getrusage("
-        "resource.RUSAGE_SELF).ru_maxrss / 1024, 'tokens': p.meta['num_tokens'], 'dtype': p.meta['dtype'], "
-        "'vocab': p.meta['vocab_size']}))"
+        "resource.RUSAGE_SELF).ru_maxrss / 1024, 'tokens': p.meta['num_tokens'], "
+        "'dtype': p.meta['dtype'], 'vocab': p.meta['vocab_size']}))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code, REPO, corpus, cache],
@@ -87,7 +89,8 @@ def prepare(corpus: str, cache: str) -> dict:
 
 
 def memory(pid: int) -> tuple[int, int]:
-    """(VmHWM, Pss) of a process, in kB: its peak resident set so far, and its proportional set now."""
+    """(VmHWM, Pss) of a process, in kB: its peak resident set so far, and its proportional set
+    now."""
     with open(f"/proc/{pid}/status") as f:
         hwm = int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1))
     with open(f"/proc/{pid}/smaps_rollup") as f:
@@ -166,11 +169,13 @@ def train(corpus: str, cache: str, run_dir: str, nproc: int, steps: int, model: 
 
 
 def reader_growth(tokens_path: str, windows: int = 20_000, length: int = 65) -> dict:
-    """RSS growth from reading random windows through a memory map vs through pread (fresh processes)."""
+    """RSS growth from reading random windows through a memory map vs through pread (fresh
+    processes)."""
     code = """
 import mmap, os, random, re, sys
 def rss():
-    return int(re.search(r"^Rss:\\s+(\\d+)", open("/proc/self/smaps_rollup").read(), re.M).group(1)) / 1024
+    return int(re.search(r"^Rss:\\s+(\\d+)", open("/proc/self/smaps_rollup").read(),
+                         re.M).group(1)) / 1024
 path, how, n, length = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 size, rng = os.path.getsize(path), random.Random(0)
 fd = os.open(path, os.O_RDONLY)
@@ -180,7 +185,8 @@ if how == "mmap":
     m.madvise(mmap.MADV_RANDOM)
     total = sum(m[s:s + length][0] for s in (rng.randrange(size - length) for _ in range(n)))
 else:
-    total = sum(os.pread(fd, length, s)[0] for s in (rng.randrange(size - length) for _ in range(n)))
+    total = sum(os.pread(fd, length, s)[0]
+                for s in (rng.randrange(size - length) for _ in range(n)))
 print(rss() - before)
 """
     out = {}
@@ -197,7 +203,7 @@ print(rss() - before)
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--data", default=SHAKESPEARE, help="tiny Shakespeare, repeated to make the ASCII corpora"
     )
@@ -277,15 +283,17 @@ def main() -> int:
         "peak_pss_mb_per_rank",
     ]
     print(
-        f"\nworld size {nproc}, {steps} steps each, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs\n"
+        f"\nworld size {nproc}, {steps} steps each, "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs\n"
     )
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
     for row in rows:
         print("| " + " | ".join(str(row[c]) for c in columns) + " |")
     print(
-        f"\nreading {readers['windows']:,} random windows of the {readers['corpus']} token file grew RSS by "
-        f"{readers['mmap_rss_growth_mb']} MB through a memory map, {readers['pread_rss_growth_mb']} MB through pread"
+        f"\nreading {readers['windows']:,} random windows of the {readers['corpus']} token file "
+        f"grew RSS by {readers['mmap_rss_growth_mb']} MB through a memory map, "
+        f"{readers['pread_rss_growth_mb']} MB through pread"
     )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -1,7 +1,7 @@
 """DDP vs FSDP vs AMP: per-rank memory, tokens/s and snapshot save time, each under real torchrun.
 
-    python benchmarks/fsdp_bench.py --data data/tinyshakespeare/input.txt          # full table
-    python benchmarks/fsdp_bench.py --smoke --data ...                              # seconds, for CI
+    python benchmarks/fsdp_bench.py --data data/tinyshakespeare/input.txt  # full table
+    python benchmarks/fsdp_bench.py --smoke --data ...                      # seconds, for CI
 
 The driver starts one `torchrun` job per configuration and collects what rank 0
 reports. Memory is what one rank holds for parameters + gradients + optimizer state
@@ -147,7 +147,7 @@ def driver(args) -> int:
             cmd = main_command(world, worker, script=os.path.abspath(__file__), torchrun=True)
             threads = str(max(1, (os.cpu_count() or 1) // world))
             out = run(cmd, env={"OMP_NUM_THREADS": threads}, cwd=None, timeout=None)
-            lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+            lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
             if out.returncode != 0 or not lines:
                 print(out.stdout[-2000:], out.stderr[-3000:], file=sys.stderr)
                 return 1

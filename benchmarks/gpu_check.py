@@ -1,8 +1,9 @@
 """One command that checks a GPU machine end to end and prints what passed, with numbers.
 
-    python benchmarks/gpu_check.py                       # on a machine with >= 1 GPU (a few minutes)
-    python benchmarks/gpu_check.py --device cpu --only single   # rehearse the harness on a CPU machine
-    python benchmarks/gpu_check.py                       # without a GPU: says so, exits 0 (what CI runs)
+    python benchmarks/gpu_check.py               # on a machine with >= 1 GPU (a few minutes)
+    python benchmarks/gpu_check.py --device cpu --only single
+                                                 # rehearse the harness on a CPU machine
+    python benchmarks/gpu_check.py               # without a GPU: says so, exits 0 (what CI runs)
 
 The matrix, adapted to the number of GPUs G (1 is the common case):
 - environment: torch, CUDA, cuDNN and NCCL versions, the GPUs, the driver;
@@ -11,8 +12,8 @@ The matrix, adapted to the number of GPUs G (1 is the common case):
   each trained, snapshotted and resumed;
 - torchrun --nproc_per_node=G: DDP, DDP with gradients through rank 0, FSDP + bf16,
   FSDP + compile, FSDP + CPU offload, each resumed;
-- cross-format resume (DDP snapshot -> FSDP -> one process), `python -m mingpt_ddp.snapshots consolidate`, and
-  sample.py on the GPU;
+- cross-format resume (DDP snapshot -> FSDP -> one process), `python -m mingpt_ddp.snapshots
+  consolidate`, and sample.py on the GPU;
 - the CPU suite with the GPU hidden (CUDA_VISIBLE_DEVICES=), fast subset unless --full;
 - `bench.py --recipe shakespeare-gpu` (ms/step, tokens/s, MFU).
 Writes JSON (default benchmarks/results/gpu_check.json) beside the table.
@@ -102,7 +103,8 @@ class Matrix:
         )
 
     def train_and_resume(self, name: str, nproc: int, extra: list[str], steps: int = 60) -> str:
-        """Train `steps`, snapshot, then resume to 1.5x steps; pass if both runs succeed and the second resumed."""
+        """Train `steps`, snapshot, then resume to 1.5x steps; pass if both runs succeed and the
+        second resumed."""
         if not self.wanted(name):
             return ""
         run_dir = os.path.join(self.work, re.sub(r"\W+", "_", name).strip("_"))
@@ -135,7 +137,8 @@ class Matrix:
             records = MetricsLog.read(os.path.join(run_dir, "metrics.jsonl"))
             ms = statistics.median(r["ms_per_step"] for r in records[1:] or records)
             numbers = (
-                f"{ms:.1f} ms/step, {statistics.median(r['tokens_per_sec'] for r in records) / 1e3:.0f}k tok/s, "
+                f"{ms:.1f} ms/step, "
+                f"{statistics.median(r['tokens_per_sec'] for r in records) / 1e3:.0f}k tok/s, "
                 f"val {records[-1].get('val_loss', float('nan')):.3f}"
             )
         self.record(
@@ -278,7 +281,8 @@ def main() -> int:
     print("environment | " + " | ".join(f"{k} {v}" for k, v in env.items()), flush=True)
     if args.device == "cuda" and gpus == 0:
         print(
-            "gpu_check | no CUDA device visible: GPU checks skipped (use --device cpu to rehearse on the CPU)"
+            "gpu_check | no CUDA device visible: GPU checks skipped "
+            "(use --device cpu to rehearse on the CPU)"
         )
         return 0
     nproc = gpus if args.device == "cuda" else 2
@@ -350,7 +354,8 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     failed = [r for r in m.rows if r["result"] != "pass"]
     print(
-        f"\n{len(m.rows) - len(failed)} passed, {len(failed)} failed  (device {args.device}, {nproc} ranks for torchrun)"
+        f"\n{len(m.rows) - len(failed)} passed, {len(failed)} failed  "
+        f"(device {args.device}, {nproc} ranks for torchrun)"
     )
     print("\n| check | result | numbers | seconds |\n|---|---|---|---|")
     for r in m.rows:

@@ -1,15 +1,15 @@
 """Snapshot benchmark: size, save time, load time and training stall, sync vs async, local vs S3.
 
-    python benchmarks/snapshot_bench.py                     # default model and a ~25M model, local + S3
-    python benchmarks/snapshot_bench.py --smoke             # seconds: a tiny model, for CI
+    python benchmarks/snapshot_bench.py          # default model and a ~25M model, local + S3
+    python benchmarks/snapshot_bench.py --smoke  # seconds: a tiny model, for CI
     python benchmarks/snapshot_bench.py --s3-endpoint http://minio:9000 --s3-bucket my-bucket
 
 The stall is measured the honest way: the wall time of a short training run that
 saves every few steps, minus the same run without saves, divided by the number of
 saves. For async saves that includes the copy to CPU memory and any slowdown from
 the background write competing for the CPU; `blocked` is only the time the
-training loop spent inside the save call (for async: the copy to CPU memory). Without --s3-endpoint, a moto_server
-(pip install 'moto[server]') is started on loopback as the S3 target.
+training loop spent inside the save call (for async: the copy to CPU memory). Without
+--s3-endpoint, a moto_server (pip install 'moto[server]') is started on loopback as the S3 target.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One training step, nanoGPT's model against this project's, in one process, taking turns.
 
-    python benchmarks/step_time.py --nanogpt ~/nanoGPT                  # eager and compiled, 7 rounds
+    python benchmarks/step_time.py --nanogpt ~/nanoGPT  # eager and compiled, 7 rounds
     python benchmarks/step_time.py --nanogpt ~/nanoGPT --out step.json  # also as JSON
 
 time_to_quality.py --step-time times the two programs whole (each its own loop, data and logging);
@@ -41,7 +41,8 @@ N_LAYER, N_HEAD, N_EMBD, BLOCK, BATCH, VOCAB = 4, 4, 128, 64, 12, 65  # nanoGPT'
 
 
 def nanogpt_step(checkout: str, batches: torch.Tensor):
-    """A training step of nanoGPT's own model.py and optimizer, as its train.py takes one on a CPU."""
+    """A training step of nanoGPT's own model.py and optimizer, as its train.py takes one on a
+    CPU."""
     spec = importlib.util.spec_from_file_location(
         "nanogpt_model", os.path.join(checkout, "model.py")
     )
@@ -72,7 +73,8 @@ def nanogpt_step(checkout: str, batches: torch.Tensor):
 
 
 def our_step(batches: torch.Tensor, compile: bool):
-    """A training step of this project's GPT, precision and attention decided as main.py decides them."""
+    """A training step of this project's GPT, precision and attention decided as main.py decides
+    them."""
     device = torch.device("cpu")
     use_amp, amp_dtype, why = choose_precision("auto", "auto", device)
     plan = Plan(parallel="none", use_amp=use_amp, amp_dtype=amp_dtype)
@@ -92,7 +94,8 @@ def our_step(batches: torch.Tensor, compile: bool):
     for block in model.blocks:
         block.attn.fp32_under_autocast = attention_fp32
     if compile:
-        model.compile()  # in place, the whole model: what Single.wrap (parallel/single.py) does with compile=true
+        # in place, the whole model: what Single.wrap (parallel/single.py) does with compile=true
+        model.compile()
     optimizers = build_optimizers(model, OptimizerConfig(learning_rate=1e-3), device.type)
     precision = lambda: torch.autocast("cpu", AMP_DTYPES[amp_dtype]) if use_amp else nullcontext()  # noqa: E731
 
@@ -133,7 +136,8 @@ def main() -> int:
     parser.add_argument(
         "--default-malloc",
         action="store_true",
-        help="leave glibc's allocator at its defaults (main.py keeps freed memory: trainer_config.cpu_keep_freed_memory)",
+        help="leave glibc's allocator at its defaults "
+        "(main.py keeps freed memory: trainer_config.cpu_keep_freed_memory)",
     )
     parser.add_argument("--out", default="", help="also write the result as JSON here")
     args = parser.parse_args()
@@ -164,11 +168,13 @@ def main() -> int:
             times[name].append(round(time_round(step, len(batches), args.steps), 2))
     medians = {name: statistics.median(ms) for name, ms in times.items()}
     print(
-        f"step-time | one process, {torch.get_num_threads()} threads, malloc: {allocator} | this project: {precision}"
+        f"step-time | one process, {torch.get_num_threads()} threads, malloc: {allocator} | "
+        f"this project: {precision}"
     )
     for name, ms in times.items():
         print(
-            f"step-time | {name:<14} | median {medians[name]:.1f} ms | x nanoGPT {medians[name] / medians['nanoGPT']:.2f} | "
+            f"step-time | {name:<14} | median {medians[name]:.1f} ms | "
+            f"x nanoGPT {medians[name] / medians['nanoGPT']:.2f} | "
             f"rounds {ms}"
         )
     if args.out:

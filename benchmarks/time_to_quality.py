@@ -1,10 +1,16 @@
-"""Time to quality: how long a recipe takes, end to end, to reach a validation loss; and the ablation.
+"""Time to quality: how long a recipe takes, end to end, to reach a validation loss; and the
+ablation.
 
-    python benchmarks/time_to_quality.py --data data/tinyshakespeare/input.txt                  # speedrun-cpu -> 1.88
-    python benchmarks/time_to_quality.py --recipe nanogpt-cpu --data ...                         # nanoGPT's recipe
-    python benchmarks/time_to_quality.py --recipe fast-cpu --nproc 2 --data ...                  # under torchrun
-    python benchmarks/time_to_quality.py --ablation --nanogpt ~/nanoGPT --data ...               # the README's table
-    python benchmarks/time_to_quality.py --step-time --nanogpt ~/nanoGPT --data ...              # ms/step vs nanoGPT
+    # speedrun-cpu -> 1.88
+    python benchmarks/time_to_quality.py --data data/tinyshakespeare/input.txt
+    # nanoGPT's recipe
+    python benchmarks/time_to_quality.py --recipe nanogpt-cpu --data ...
+    # under torchrun
+    python benchmarks/time_to_quality.py --recipe fast-cpu --nproc 2 --data ...
+    # the README's table
+    python benchmarks/time_to_quality.py --ablation --nanogpt ~/nanoGPT --data ...
+    # ms/step vs nanoGPT
+    python benchmarks/time_to_quality.py --step-time --nanogpt ~/nanoGPT --data ...
 
 The clock runs from launching the command to its exit: start-up, evaluations and the final
 snapshot all count, as they do for whoever waits for the model (the corpus is encoded once,
@@ -17,9 +23,10 @@ split where nanoGPT draws new random ones each time; the recipes here evaluate e
 --ablation adds the techniques one at a time, from nanoGPT's recipe to the speedrun's, and times
 nanoGPT's own train.py (a checkout given by --nanogpt) in the same run for the ratio: its CPU recipe
 from its README, 2000 steps, fp32. ms/step is a median over 10-step windows (ours) or iterations
-(nanoGPT's), so evaluations do not count in it. --step-time compares ms/step alone: nanoGPT's train.py
-(as it ships, and with main.py's allocator setting) and this trainer (eager, compiled, and compiled with
-glibc's default allocator) at nanoGPT's model and batch, 300 steps each, taking turns five times.
+(nanoGPT's), so evaluations do not count in it. --step-time compares ms/step alone: nanoGPT's
+train.py (as it ships, and with main.py's allocator setting) and this trainer (eager, compiled, and
+compiled with glibc's default allocator) at nanoGPT's model and batch, 300 steps each, taking turns
+five times.
 """
 
 from __future__ import annotations
@@ -42,8 +49,8 @@ sys.path.insert(0, REPO)
 
 from mingpt_ddp.metrics import MetricsLog  # noqa: E402
 
-# The recipes are config groups (mingpt_ddp/config/schema.py: recipe=nanogpt-cpu, ...), so main.py trains them on its own
-# too; smoke is a seconds-long check for CI.
+# The recipes are config groups (mingpt_ddp/config/schema.py: recipe=nanogpt-cpu, ...), so main.py
+# trains them on its own too; smoke is a seconds-long check for CI.
 RECIPES = {
     "nanogpt-cpu": ["recipe=nanogpt-cpu"],
     "fast-cpu": ["recipe=fast-cpu"],
@@ -60,9 +67,9 @@ RECIPES = {
     ],
 }
 
-# The ablation: each row adds one technique to the last kept row above it (overrides accumulate), from
-# nanoGPT's recipe in fp32 to the speedrun-cpu recipe; a technique that did not pay here is measured the
-# same way, then dropped (kept=False). (label, what it adds, overrides, kept)
+# The ablation: each row adds one technique to the last kept row above it (overrides accumulate),
+# from nanoGPT's recipe in fp32 to the speedrun-cpu recipe; a technique that did not pay here is
+# measured the same way, then dropped (kept=False). (label, what it adds, overrides, kept)
 FP32 = "trainer_config.use_amp=false"
 ABLATION = [
     (
@@ -135,9 +142,10 @@ ABLATION = [
 def run_ours(
     overrides: list[str], data: str, target: float, nproc: int = 1, inductor_cache: str = ""
 ) -> dict:
-    """Train main.py to the target; launch-to-exit seconds, the step and val loss where it stopped, ms/step.
-    torch.compile's kernels are cached on disk: by default each run gets an empty cache, and so times
-    compiling as a first run does; inductor_cache names a cache to share between runs instead."""
+    """Train main.py to the target; launch-to-exit seconds, the step and val loss where it stopped,
+    ms/step. torch.compile's kernels are cached on disk: by default each run gets an empty cache,
+    and so times compiling as a first run does; inductor_cache names a cache to share between runs
+    instead."""
     from main import compose, to_job  # the recipe as main.py composes it: its batch and context
 
     job = to_job(compose(overrides))
@@ -217,8 +225,8 @@ NANOGPT_ARGS = [
 def run_nanogpt(
     checkout: str, data: str, target: float, max_iters: int = 2000, env: dict | None = None
 ) -> dict:
-    """nanoGPT's own train.py on a copy of its checkout: prepare.py untimed, then train.py timed to exit
-    (env: more environment variables for it)."""
+    """nanoGPT's own train.py on a copy of its checkout: prepare.py untimed, then train.py timed to
+    exit (env: more environment variables for it)."""
     with tempfile.TemporaryDirectory(prefix="nanogpt-") as tmp:
         work = shutil.copytree(
             checkout, os.path.join(tmp, "nanoGPT"), ignore=shutil.ignore_patterns(".git", "out*")
@@ -271,9 +279,9 @@ def run_nanogpt(
 
 
 # --step-time's rows. nanoGPT's train.py as it ships, and with the allocator setting main.py makes
-# (runtime/host.py, keep_freed_cpu_memory), given as glibc's environment variables: the difference that
-# setting makes is then seen on both programs. This trainer at nanoGPT's model and batch as nanoGPT
-# runs it (eager), compiled, and compiled with glibc's default allocator.
+# (runtime/host.py, keep_freed_cpu_memory), given as glibc's environment variables: the difference
+# that setting makes is then seen on both programs. This trainer at nanoGPT's model and batch as
+# nanoGPT runs it (eager), compiled, and compiled with glibc's default allocator.
 KEEP_FREED_ENV = {
     "MALLOC_MMAP_THRESHOLD_": str(32 * 1024 * 1024),
     "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1),
@@ -290,9 +298,9 @@ STEP_TIME_ROWS = {
 
 
 def step_times(args, rounds: int = 5, steps: int = 300) -> dict:
-    """ms/step on nanoGPT's model and batch: nanoGPT's train.py and this trainer (precision auto) taking
-    turns, `rounds` times: on a shared machine whose speed drifts, alternating keeps the comparison fair.
-    Compiling is not in ms/step, so the compiled rows share one kernel cache."""
+    """ms/step on nanoGPT's model and batch: nanoGPT's train.py and this trainer (precision auto)
+    taking turns, `rounds` times: on a shared machine whose speed drifts, alternating keeps the
+    comparison fair. Compiling is not in ms/step, so the compiled rows share one kernel cache."""
     ms: dict[str, list[float]] = {row: [] for row in [*NANOGPT_ROWS, *STEP_TIME_ROWS]}
     faults: dict[str, list[int]] = {
         row: [] for row in ms
@@ -324,7 +332,10 @@ def step_times(args, rounds: int = 5, steps: int = 300) -> dict:
     base = statistics.median(ms["nanoGPT"])
     ratios = {row: round(statistics.median(times) / base, 2) for row, times in ms.items()}
     print(
-        f"step-time | nanoGPT's model and batch, {rounds} rounds of {steps} steps, ratio of medians to nanoGPT's | "
+        (
+            f"step-time | nanoGPT's model and batch, {rounds} rounds of {steps} steps, "
+            "ratio of medians to nanoGPT's | "
+        )
         + " | ".join(f"{row} {ms[row]} ms: {ratios[row]:.2f}" for row in ms)
     )
     print(
@@ -370,7 +381,10 @@ def ablation(args) -> list[dict]:
 def table(rows: list[dict], target: float) -> str:
     base = rows[0] if rows[0]["row"] == "nanoGPT train.py" else None
     lines = [
-        f"| run | adds | precision | ms/step | steps to val ≤ {target} | tokens | s, launch to exit |"
+        (
+            f"| run | adds | precision | ms/step | steps to val ≤ {target} "
+            "| tokens | s, launch to exit |"
+        )
         + (" × nanoGPT |" if base else ""),
         "|---|---|---|---|---|---|---|" + ("---|" if base else ""),
     ]
@@ -387,7 +401,7 @@ def table(rows: list[dict], target: float) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--data", default=os.path.join(REPO, "data", "tinyshakespeare", "input.txt")
     )
@@ -460,8 +474,10 @@ def main() -> int:
         }
         verdict = "reached" if report["reached"] else "NOT reached"
         print(
-            f"time-to-quality | {args.recipe} x{args.nproc} | val {report['val_loss']:.4f} ({verdict} {args.target}) "
-            f"at step {report['step']} | {report['tokens'] / 1e6:.2f}M tokens | {report['ms_per_step']} ms/step | "
+            f"time-to-quality | {args.recipe} x{args.nproc} | "
+            f"val {report['val_loss']:.4f} ({verdict} {args.target}) "
+            f"at step {report['step']} | {report['tokens'] / 1e6:.2f}M tokens | "
+            f"{report['ms_per_step']} ms/step | "
             f"{report['wall_s']:.1f} s end to end"
         )
         ok = report["reached"]

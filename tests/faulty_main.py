@@ -4,8 +4,10 @@
     FAULT=raise:RANK:STEP         that rank raises an exception before that step
     FAULT=block_write:RANK:STEP   that rank stops half-way through writing a file of the step's
                                   snapshot (half its bytes in the temporary file), and hangs there
-    FAULT=enospc_at:RANK:STEP     every write of that step's snapshot files fails: No space left on device
-    FAULT=enospc_from:RANK:STEP   every snapshot write from that step on fails: a disk that stays full
+    FAULT=enospc_at:RANK:STEP     every write of that step's snapshot files fails: No space left
+                                  on device
+    FAULT=enospc_from:RANK:STEP   every snapshot write from that step on fails: a disk that stays
+                                  full
 
 Faults fire only in the first attempt (TORCHELASTIC_RESTART_COUNT=0), so a restarted
 group runs clean. Everything else is the real main.py, under the real torchrun. A test

@@ -1,5 +1,5 @@
-"""prepare.py that pauses in the middle of encoding until the test lets it go, for tests that must act
-at a certain moment (kill it, start a second preparer) instead of hoping to catch one.
+"""prepare.py that pauses in the middle of encoding until the test lets it go, for tests that must
+act at a certain moment (kill it, start a second preparer) instead of hoping to catch one.
 
     python tests/paused_prepare.py FIFO SOURCE --cache-dir DIR
 

@@ -98,9 +98,9 @@ class CuttableProxy:
 
 
 class FlakyS3Proxy:
-    """An HTTP proxy in front of moto_server that answers 503 SlowDown (S3's "reduce your request rate")
-    to the first `failures` PUTs whose path contains `fail_puts_matching`, and forwards everything else:
-    an S3 endpoint that throttles for a while, as AWS does under load."""
+    """An HTTP proxy in front of moto_server that answers 503 SlowDown (S3's "reduce your request
+    rate") to the first `failures` PUTs whose path contains `fail_puts_matching`, and forwards
+    everything else: an S3 endpoint that throttles for a while, as AWS does under load."""
 
     def __init__(self, target_port: int, fail_puts_matching: str, failures: int):
         import http.client
@@ -137,7 +137,10 @@ class FlakyS3Proxy:
                     )
                     proxy.failed += throttle
                 if throttle:
-                    reply = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+                    reply = (
+                        b"<Error><Code>SlowDown</Code>"
+                        b"<Message>Please reduce your request rate.</Message></Error>"
+                    )
                     self.send_response(503)
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(reply)))

@@ -1,4 +1,5 @@
-"""A real one-node SLURM cluster for the tests: munged, slurmctld and slurmd on this host, in a temp dir.
+"""A real one-node SLURM cluster for the tests: munged, slurmctld and slurmd on this host, in a temp
+dir.
 
 Needs root and Debian's slurm-wlm and munge packages (.ci/run installs them where it can);
 anything missing is a clean skip. The daemons use their own ports, state and munge socket, so
@@ -88,8 +89,8 @@ class SlurmCluster:
                 stderr=subprocess.DEVNULL,
             )
         ]
-        # cred_expire: how long a killed job's credential stays revoked, which is also how long SLURM
-        # holds a requeued job back (120 s by default); 5 s keeps the requeue test short.
+        # cred_expire: how long a killed job's credential stays revoked, which is also how long
+        # SLURM holds a requeued job back (120 s by default); 5 s keeps the requeue test short.
         self._wait(lambda: os.path.exists(f"{self.dir}/munge.sock"), "munged")
         for daemon, log in (("slurmctld", "ctld.log"), ("slurmd", "slurmd.log")):
             self.daemons.append(
@@ -127,7 +128,8 @@ class SlurmCluster:
 
     def stop(self) -> None:
         """Cancel every job, then stop the daemons. A job's processes are not the daemons' children
-        (slurmstepd detaches), so whatever is left of them is found by the SLURM_CONF they inherited."""
+        (slurmstepd detaches), so whatever is left of them is found by the SLURM_CONF they
+        inherited."""
         self.run("scancel", "--full", "--user=root")
         deadline = time.monotonic() + 30
         while self.run("squeue", "-h") and time.monotonic() < deadline:

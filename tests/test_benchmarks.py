@@ -166,7 +166,8 @@ def test_compare_smoke_mode_times_rows_end_to_end_and_says_why_a_row_cannot_run(
 
 
 # A stand-in for a nanoGPT checkout (CI has no internet to clone one): its model.py offers what
-# step_time.py uses of nanoGPT's (GPT, GPTConfig, configure_optimizers), built on this project's GPT.
+# step_time.py uses of nanoGPT's (GPT, GPTConfig, configure_optimizers), built on this project's
+# GPT.
 STAND_IN_NANOGPT = """
 import torch
 from dataclasses import dataclass
@@ -174,7 +175,8 @@ from model import GPT as _GPT, GPTConfig as _Config
 
 @dataclass
 class GPTConfig:
-    block_size: int; vocab_size: int; n_layer: int; n_head: int; n_embd: int; dropout: float; bias: bool
+    block_size: int; vocab_size: int; n_layer: int; n_head: int; n_embd: int
+    dropout: float; bias: bool
 
 class GPT(_GPT):
     def __init__(self, c):
@@ -182,7 +184,8 @@ class GPT(_GPT):
                                  vocab_size=c.vocab_size, block_size=c.block_size))
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        return torch.optim.AdamW(self.parameters(), lr=learning_rate, betas=betas, weight_decay=weight_decay)
+        return torch.optim.AdamW(self.parameters(), lr=learning_rate, betas=betas,
+                                 weight_decay=weight_decay)
 """
 
 

@@ -1,4 +1,5 @@
-"""The character dataset over a prepared token file: vocabulary, windows, split, evaluation starts, errors."""
+"""The character dataset over a prepared token file: vocabulary, windows, split, evaluation starts,
+errors."""
 
 import fsspec
 import pytest

@@ -1,5 +1,6 @@
 """Compressed corpora: .gz, .bz2, .xz (and .zst with the zstandard package) are decoded while the
-corpus is prepared, locally, in a glob and on S3, and give the very token file the plain text gives."""
+corpus is prepared, locally, in a glob and on S3, and give the very token file the plain text
+gives."""
 
 import bz2
 import gzip

@@ -1,5 +1,6 @@
-"""Configuration as a user meets it: one schema (the dataclasses) behind Hydra, config groups, --help,
-one kind of message for a wrong key or type wherever it is written, sweeps that run every job."""
+"""Configuration as a user meets it: one schema (the dataclasses) behind Hydra, config groups,
+--help, one kind of message for a wrong key or type wherever it is written, sweeps that run every
+job."""
 
 import dataclasses
 import shutil
@@ -22,7 +23,8 @@ TYPO = (
 
 
 def write_config_dir(tmp_path) -> str:
-    """A config dir with the same typo in a copy of the primary YAML and in a recipe of one's own."""
+    """A config dir with the same typo in a copy of the primary YAML and in a recipe of one's
+    own."""
     conf = tmp_path / "conf"
     (conf / "recipe").mkdir(parents=True)
     yaml = (REPO / "gpt2_train_cfg.yaml").read_text()
@@ -235,7 +237,8 @@ def test_a_sweep_runs_every_job_in_its_own_directory_and_a_rerun_resumes_each(
     assert all(
         [r["step"] for r in MetricsLog.read(str(job / "metrics.jsonl"))] == [10] for job in jobs
     )
-    # Rerun with more steps (max_steps does not name the job): each job resumes from its own snapshot.
+    # Rerun with more steps (max_steps does not name the job): each job resumes from its own
+    # snapshot.
     second = run_main(args[:-2] + ["trainer_config.max_steps=20", "trainer_config.device=cpu"])
     assert second.returncode == 0, second.stderr[-2000:]
     assert (

@@ -1,6 +1,6 @@
-"""The CUDA paths: nccl beside gloo, one GPU per rank, pinned-memory batches, every precision, FSDP CPU
-offload, cross-device snapshots. Each test skips cleanly on a machine without a GPU (CI); on one,
-`python benchmarks/gpu_check.py` runs them as part of its matrix."""
+"""The CUDA paths: nccl beside gloo, one GPU per rank, pinned-memory batches, every precision, FSDP
+CPU offload, cross-device snapshots. Each test skips cleanly on a machine without a GPU (CI); on
+one, `python benchmarks/gpu_check.py` runs them as part of its matrix."""
 
 import subprocess
 import sys

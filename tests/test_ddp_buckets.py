@@ -1,5 +1,5 @@
-"""tutorials/ddp_buckets.py under torchrun: DDP's buckets and their all-reduce order, checked from what
-its communication hook recorded (the JSON it writes) and from the sentences it prints."""
+"""tutorials/ddp_buckets.py under torchrun: DDP's buckets and their all-reduce order, checked from
+what its communication hook recorded (the JSON it writes) and from the sentences it prints."""
 
 import json
 import re
@@ -15,7 +15,8 @@ MiB = 1024 * 1024
 
 @pytest.fixture(scope="module")
 def tutorial(tmp_path_factory):
-    """One run of the tutorial on 2 ranks (about 10 s): its stdout and the buckets rank 0 recorded."""
+    """One run of the tutorial on 2 ranks (about 10 s): its stdout and the buckets rank 0
+    recorded."""
     record = tmp_path_factory.mktemp("buckets") / "buckets.json"
     result = run_command(
         main_command(2, [str(record)], script=REPO / "tutorials" / "ddp_buckets.py"), timeout=180
@@ -26,7 +27,8 @@ def tutorial(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sizes():
-    """Gradient bytes per parameter of the project's default GPT, in model.parameters() order, built here."""
+    """Gradient bytes per parameter of the project's default GPT, in model.parameters() order,
+    built here."""
     from model import GPT, GPTConfig
 
     gpt = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=128, vocab_size=65, block_size=64))
@@ -60,7 +62,8 @@ def test_first_bucket_at_the_default_cap_holds_the_last_parameters_and_closes_at
         params
     )
     assert first["bytes"] == sum(sizes[n] for n in first["names"])
-    # Not "at most 1 MiB": the bucket closes at the parameter that takes it to the cap, and keeps it.
+    # Not "at most 1 MiB": the bucket closes at the parameter that takes it to the cap, and keeps
+    # it.
     assert first["bytes"] - sizes[first["names"][-1]] < MiB <= first["bytes"]
 
 
@@ -123,8 +126,8 @@ def test_conclusions_are_printed_once_as_sentences(tutorial):
     conclusions = out[out.index("parameter tensors") :]
     assert "False" not in conclusions
     assert (
-        "Iteration 1 (default arguments): 1 bucket(s); model.parameters() order: True; sent after 52/52"
-        in out
+        "Iteration 1 (default arguments): 1 bucket(s); model.parameters() order: True; "
+        "sent after 52/52" in out
     )
     assert re.search(
         r"Bucket 0 holds the last 16 parameters of model.parameters\(\): True; 1056768 bytes", out

@@ -1,8 +1,10 @@
-"""DeepSpeed ZeRO as a parallel mode (mingpt_ddp/parallel/deepspeed.py): it trains like DDP, splits the optimizer state as ZeRO
-promises, and its snapshots keep this project's promises (exact resume, checked files, clear refusals).
+"""DeepSpeed ZeRO as a parallel mode (mingpt_ddp/parallel/deepspeed.py): it trains like DDP, splits
+the optimizer state as ZeRO promises, and its snapshots keep this project's promises (exact resume,
+checked files, clear refusals).
 
-Real torchrun jobs at world size 2 on CPU (DS_ACCELERATOR=cpu, gloo), tiny models, seconds each; one run per
-mode (ddp_run, zero_run) serves every test that only reads it or starts from a copy of its snapshots.
+Real torchrun jobs at world size 2 on CPU (DS_ACCELERATOR=cpu, gloo), tiny models, seconds each; one
+run per mode (ddp_run, zero_run) serves every test that only reads it or starts from a copy of its
+snapshots.
 """
 
 import hashlib
@@ -53,8 +55,9 @@ def trained(shakespeare, tmp_path_factory, parallel):
     return run_dir, result.stdout
 
 
-# One run per mode at world size 2 (STEPS: 30 steps, saved every 10), shared by the tests below: DeepSpeed's
-# start-up costs more than these steps, and each test only reads the run or copies its snapshots.
+# One run per mode at world size 2 (STEPS: 30 steps, saved every 10), shared by the tests below:
+# DeepSpeed's start-up costs more than these steps, and each test only reads the run or copies its
+# snapshots.
 @pytest.fixture(scope="module")
 def ddp_run(shakespeare, tmp_path_factory):
     return trained(shakespeare, tmp_path_factory, "ddp")
@@ -80,7 +83,8 @@ def test_zero_stages_train_like_ddp_and_split_the_optimizer_state(stage, ddp_run
     assert f"deepspeed ZeRO-{stage} | fp32 | world size 2" in stdout
     # The same global batch, the same data order, the same AdamW: the same losses, to rounding.
     assert losses(run_dir) == pytest.approx(losses(ddp_dir), rel=1e-4)
-    # AdamW's moments: DDP keeps all of them on every rank, ZeRO (any stage) half of them on each of 2.
+    # AdamW's moments: DDP keeps all of them on every rank, ZeRO (any stage) half of them on each
+    # of 2.
     assert optimizer_mb(stdout) == pytest.approx(optimizer_mb(ddp_out) / 2, rel=0.02)
     entry = json.loads((run_dir / "snapshots" / MANIFEST).read_text())["snapshots"][-1]
     assert (
@@ -105,7 +109,8 @@ def test_cpu_offload_of_optimizer_state_and_parameters_trains_the_same_losses(
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "deepspeed ZeRO-3 + optimizer offload + parameter offload" in result.stdout
-    # Within the 100 warm-up steps the learning rate does not depend on max_steps: 10 steps of 30 compare.
+    # Within the 100 warm-up steps the learning rate does not depend on max_steps: 10 steps of 30
+    # compare.
     assert losses(tmp_path) == pytest.approx(losses(ddp_run[0])[:10], rel=1e-4)
 
 

@@ -1,7 +1,7 @@
 """The decisions a GPU machine depends on, made by small functions tested here without a GPU:
-which device a rank uses, which backends its process group gets, TF32, whether bf16 is native and how
-attention computes under bf16 autocast, the torch version, and
-the fp16 loss-scaling path (which runs on CPU too); and how a CPU process's allocator keeps memory."""
+which device a rank uses, which backends its process group gets, TF32, whether bf16 is native and
+how attention computes under bf16 autocast, the torch version, and the fp16 loss-scaling path
+(which runs on CPU too); and how a CPU process's allocator keeps memory."""
 
 import math
 import os
@@ -172,7 +172,8 @@ def test_gradients_are_unscaled_before_clipping(shakespeare, tmp_path):
     )
     fp32.train_step()
     fp16.train_step()
-    # The reported norm is the true gradient's, not 65536 times it: clipping saw the unscaled gradients.
+    # The reported norm is the true gradient's, not 65536 times it: clipping saw the unscaled
+    # gradients.
     assert fp16.strategy.grad_norm() == pytest.approx(fp32.strategy.grad_norm(), rel=0.05)
 
 

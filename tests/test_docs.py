@@ -58,7 +58,8 @@ def blocks(path: Path) -> list[tuple[str, str]]:
 
 
 def commands(body: str) -> list[list[str]]:
-    """Shell commands of a block: continuation lines joined, comments dropped, split like a shell."""
+    """Shell commands of a block: continuation lines joined, comments dropped, split like a
+    shell."""
     joined = body.replace("\\\n", " ")
     return [words for line in joined.splitlines() if (words := shlex.split(line, comments=True))]
 
@@ -88,12 +89,14 @@ def scaled(words: list[str]) -> list[str]:
 
 
 def at_most_two_ranks(word: str) -> str:
-    """--nproc_per_node=N as at most 2: on CI's 2 cores more ranks prove nothing more about a command."""
+    """--nproc_per_node=N as at most 2: on CI's 2 cores more ranks prove nothing more about a
+    command."""
     return re.sub(r"^(--nproc_per_node=)(\d+)$", lambda m: f"{m[1]}{min(2, int(m[2]))}", word)
 
 
 def rewrite(words: list[str], workdir: Path) -> list[str] | None:
-    """The command as this test runs it (scripts from the repository, tiny sizes), or None to skip it."""
+    """The command as this test runs it (scripts from the repository, tiny sizes), or None to skip
+    it."""
     if words[0] == "pip":  # installing is CI's job; the extras it names must exist
         extras = re.findall(r"\[([\w,]+)\]", " ".join(words))
         pyproject = (REPO / "pyproject.toml").read_text()
@@ -230,7 +233,8 @@ def test_the_chinese_reference_pages_mirror_the_english_ones(name):
 
 
 def test_the_chinese_pages_use_the_terms_a_reader_of_the_notes_knows():
-    # rank（进程序号）, local rank（节点内序号）, world size（总进程数）, reduce = 归约 (the notes' words).
+    # rank（进程序号）, local rank（节点内序号）, world size（总进程数）, reduce = 归约
+    # (the notes' words).
     for page in [READMES[1], *sorted((REPO / "docs" / "zh-CN").glob("*.md"))]:
         text = page.read_text()
         for wrong in ("秩", "世界大小", "规约"):

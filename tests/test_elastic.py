@@ -137,7 +137,8 @@ def test_a_launcher_that_only_sets_the_standard_variables_works(shakespeare, tmp
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert "world size 2 | backend gloo" in outs[0] and "done | step 6" in outs[0]
-    # Only rank 0 prints (some torch versions' gloo logs its own connection lines; those are not ours).
+    # Only rank 0 prints (some torch versions' gloo logs its own connection lines; those are not
+    # ours).
     assert [
         line for line in outs[1].splitlines() if line.strip() and not line.startswith("[Gloo]")
     ] == []

@@ -1,4 +1,5 @@
-"""Getting the corpus: the fetch script verifies what it writes, and main.py fetches the default once."""
+"""Getting the corpus: the fetch script verifies what it writes, and main.py fetches the default
+once."""
 
 import pytest
 from conftest import free_port, run_main, tiny_overrides

@@ -1,4 +1,5 @@
-"""FSDP2 sharding and mixed precision, chosen in the YAML; sharded snapshots that reshard on resume."""
+"""FSDP2 sharding and mixed precision, chosen in the YAML; sharded snapshots that reshard on
+resume."""
 
 import json
 import os
@@ -56,9 +57,9 @@ def test_fsdp_and_ddp_give_the_same_losses_and_gradient_norms_for_30_steps(
 def test_fsdp_snapshots_reshard_4_2_1_load_into_one_process_and_back_and_consolidate(
     shakespeare, tmp_path
 ):
-    """One job resumed again and again, 10 steps each time: FSDP shards from 4 ranks resume at 2, then
-    at 1 (sample.py reads them); a plain process resumes from the shards and saves one file, which
-    FSDP at 2 ranks loads again; the result consolidates to one file."""
+    """One job resumed again and again, 10 steps each time: FSDP shards from 4 ranks resume at 2,
+    then at 1 (sample.py reads them); a plain process resumes from the shards and saves one file,
+    which FSDP at 2 ranks loads again; the result consolidates to one file."""
 
     def leg(max_steps, *extra, nproc):
         return ok(
@@ -253,7 +254,8 @@ def test_compile_under_ddp_and_fsdp_trains_like_eager(parallel, eager_ddp, shake
 def test_sigkill_during_a_sharded_save_leaves_the_previous_snapshot_usable(shakespeare, tmp_path):
     args = tiny_overrides(shakespeare, tmp_path, max_steps=60, save_every=5) + [FSDP]
     snap_dir = tmp_path / "snapshots"
-    # Rank 1 stops half-way through writing its shard of the step-10 snapshot, and the job is killed there.
+    # Rank 1 stops half-way through writing its shard of the step-10 snapshot, and the job is killed
+    # there.
     job = start_main(
         args, nproc=2, script=REPO / "tests" / "faulty_main.py", env={"FAULT": "block_write:1:10"}
     )

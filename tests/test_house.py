@@ -1,6 +1,7 @@
 """The shape of the code: the story at the top (main.py, trainer.py, model.py, char_dataset.py and
 the commands), the machinery in one package, mingpt_ddp, that never imports the story; no import
-cycles; and a non-editable install that adds that one package name and works outside the checkout."""
+cycles; and a non-editable install that adds that one package name and works outside the
+checkout."""
 
 import ast
 import os
@@ -99,8 +100,10 @@ def test_a_plain_install_adds_one_package_that_builds_the_schema_outside_the_che
     )
     assert installed == ["mingpt_ddp"], installed
     code = (
-        "from mingpt_ddp.config.schema import job_schema, sections; import mingpt_ddp, dataclasses; "
-        "print(mingpt_ddp.__file__); print(sorted(f.name for f in dataclasses.fields(job_schema())))"
+        "from mingpt_ddp.config.schema import job_schema, sections; "
+        "import mingpt_ddp, dataclasses; "
+        "print(mingpt_ddp.__file__); "
+        "print(sorted(f.name for f in dataclasses.fields(job_schema())))"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     result = subprocess.run(
@@ -192,7 +195,8 @@ def test_no_module_over_350_lines_no_function_over_40_and_no_line_over_100_colum
         name = path.relative_to(REPO)
         if len(text.splitlines()) > 350:
             problems.append(f"{name}: {len(text.splitlines())} lines")
-        # As ruff counts: a trailing pragma (# noqa: ...) is not part of the line's length.
+        # As ruff counts: a trailing pragma (a `noqa: ...` comment) is not part of the line's
+        # length.
         lines = [re.sub(PRAGMA, "", line) for line in text.splitlines()]
         problems += [
             f"{name}:{i}: {len(line)} columns" for i, line in enumerate(lines, 1) if len(line) > 100

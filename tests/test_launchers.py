@@ -26,8 +26,9 @@ def share_of_cores(ranks_per_node: int) -> int:
 
 def test_accelerate_launch_starts_two_cpu_ranks(shakespeare, tmp_path):
     pytest.importorskip("accelerate")
-    # --cpu alone runs one plain process (accelerate's simple launcher); --multi_gpu is the mode that
-    # starts several ranks (it runs torchrun), and trainer_config.device=cpu keeps them on the CPU.
+    # --cpu alone runs one plain process (accelerate's simple launcher); --multi_gpu is the mode
+    # that starts several ranks (it runs torchrun), and trainer_config.device=cpu keeps them on the
+    # CPU.
     out = launch(
         [
             sys.executable,
@@ -76,7 +77,8 @@ def test_the_deepspeed_launcher_starts_two_cpu_ranks(shakespeare, tmp_path):
         ],
         env={"DS_ACCELERATOR": "cpu"},
     )
-    # The deepspeed launcher names the ranks per node LOCAL_SIZE: each rank takes its share of the cores.
+    # The deepspeed launcher names the ranks per node LOCAL_SIZE: each rank takes its share of the
+    # cores.
     assert (
         f"job | world size 2 | backend gloo | device cpu | {share_of_cores(2)} CPU threads per rank"
         in out

@@ -1,5 +1,6 @@
-"""One writer per snapshot path: the lease, fencing against a paused (zombie) job, and saves that ride
-out transient storage faults. Real processes, and a real S3 server (moto_server) on loopback."""
+"""One writer per snapshot path: the lease, fencing against a paused (zombie) job, and saves that
+ride out transient storage faults. Real processes, and a real S3 server (moto_server) on
+loopback."""
 
 import json
 import os
@@ -36,7 +37,7 @@ def state(step: int) -> dict:
     return {"step": step, "model": {"w": torch.full((2,), float(step))}}
 
 
-# ----------------------------------------------------------------------------- the lease, in process
+# ---------------------------------------------------------------------------- the lease, in process
 def test_a_second_owner_is_refused_naming_the_holder_until_the_lease_goes_stale(tmp_path):
     now = [1000.0]
     first = Lease(
@@ -87,7 +88,7 @@ def test_a_zombie_cannot_commit_after_a_new_owner_fenced_the_manifest(tmp_path):
     assert SnapshotStore(url).load_latest()["step"] == 7
 
 
-# ------------------------------------------------------------------------ the manifest is untrusted input
+# ------------------------------------------------------------------ the manifest is untrusted input
 def crafted_manifests(victim_name: str) -> list[dict]:
     shard_entry = {
         "file": "snapshot_00000001.dcp",
@@ -153,7 +154,7 @@ def test_a_crafted_s3_manifest_touches_nothing_outside_the_snapshot_prefix(s3, b
     assert store.load_latest()["step"] == 3
 
 
-# ----------------------------------------------------------------------------- two jobs, real processes
+# ------------------------------------------------------------------------- two jobs, real processes
 @pytest.mark.slow
 def test_two_identical_jobs_started_at_once_on_one_local_path_only_one_trains(
     shakespeare, tmp_path
@@ -263,7 +264,7 @@ def test_a_paused_job_that_lost_its_lease_cannot_write_and_the_new_owner_is_inta
     assert again.returncode == 0 and "resume | step 30" in again.stdout
 
 
-# ------------------------------------------------------------------------------------- transient faults
+# --------------------------------------------------------------------------------- transient faults
 @pytest.mark.slow
 def test_a_save_that_fails_for_a_while_does_not_stop_training(shakespeare, tmp_path):
     args = tiny_overrides(shakespeare, tmp_path, max_steps=20, save_every=5)

@@ -102,7 +102,7 @@ def test_optimizer_decays_matrices_but_not_biases_or_layernorm():
 
 
 def test_every_named_size_builds_a_valid_shape():
-    for name, (n_layer, n_head, n_embd) in MODEL_SIZES.items():
+    for _, (n_layer, n_head, n_embd) in MODEL_SIZES.items():
         GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd)  # heads divide the width
     assert MODEL_SIZES["gpt-micro"] == (
         GPTConfig().n_layer,
@@ -135,14 +135,15 @@ def test_attention_switched_to_fp32_under_bf16_autocast_gives_the_same_result_to
             block.attn.fp32_under_autocast = fp32_attention
         seen = []
         hook = model.blocks[0].attn.proj.register_forward_pre_hook(
-            lambda m, args: seen.append(args[0].dtype)
+            lambda m, args, seen=seen: seen.append(args[0].dtype)
         )
         with torch.autocast("cpu", dtype=torch.bfloat16):
             _, loss = model(idx, idx)
         hook.remove()
         loss.backward()  # and it trains
         losses[fp32_attention] = loss.item()
-        # What attention hands the output projection: fp32 when it ran in fp32 (autocast casts it for the matmul).
+        # What attention hands the output projection: fp32 when it ran in fp32 (autocast casts it
+        # for the matmul).
         assert seen == [torch.float32 if fp32_attention else torch.bfloat16]
     assert losses[True] == pytest.approx(reference.item(), rel=2e-2)
     assert losses[False] == pytest.approx(reference.item(), rel=2e-2)

@@ -127,7 +127,8 @@ def two_hosts():
             result = subprocess.run(cmd, capture_output=True, text=True)
             if result.returncode != 0:
                 pytest.skip(
-                    f"network namespaces not permitted here: {' '.join(cmd)}: {result.stderr.strip()}"
+                    f"network namespaces not permitted here: {' '.join(cmd)}: "
+                    f"{result.stderr.strip()}"
                 )
         yield [(ns[i], veth[i], f"10.231.0.{i + 1}") for i in (0, 1)]
     finally:

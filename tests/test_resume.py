@@ -1,4 +1,5 @@
-"""Never lose work: kills at any moment, preemption, async saves, and resuming at another world size.
+"""Never lose work: kills at any moment, preemption, async saves, and resuming at another world
+size.
 
 Every test here runs real torchrun jobs on CPU and checks what a resumed job does
 against what an uninterrupted one does.
@@ -51,7 +52,8 @@ def assert_same_run(a_dir, b_dir, max_steps):
 def test_sigkill_while_a_snapshot_is_being_written_keeps_the_previous_one(shakespeare, tmp_path):
     args = tiny_overrides(shakespeare, tmp_path, max_steps=40, save_every=5)
     snap_dir = tmp_path / "snapshots"
-    # Rank 0 stops half-way through writing the step-10 snapshot (tests/faulty_main.py), and is killed there.
+    # Rank 0 stops half-way through writing the step-10 snapshot (tests/faulty_main.py), and is
+    # killed there.
     job = start_job(args, script=FAULTY, env={"FAULT": "block_write:0:10"})
     wait_for_line(job, "fault | rank 0 | blocked half-way through writing snapshot_00000010.g1.pt")
     kill_tree(job)
@@ -188,8 +190,8 @@ def test_resume_at_another_world_size_sees_every_remaining_sample_once(
     )
     assert second.returncode == 0, second.stderr[-3000:]
     assert (
-        f"resume | step {first_leg} | epoch 0 | {consumed} samples into the epoch | saved at world size "
-        f"{before}, now {after}" in second.stdout
+        f"resume | step {first_leg} | epoch 0 | {consumed} samples into the epoch | "
+        f"saved at world size {before}, now {after}" in second.stdout
     )
     seen = _epoch0_starts(tmp_path / "trace")
     assert len(seen) == len(set(seen))  # nothing repeated

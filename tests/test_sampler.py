@@ -1,4 +1,5 @@
-"""The data order: a seeded permutation of every window per epoch, and a cursor that resumes at any world size."""
+"""The data order: a seeded permutation of every window per epoch, and a cursor that resumes at any
+world size."""
 
 import subprocess
 import sys
@@ -51,8 +52,10 @@ def test_the_scalar_and_vectorised_paths_agree():
 @pytest.mark.slow
 def test_the_order_is_the_same_in_another_process():
     code = (
-        "import sys, torch; sys.path.insert(0, sys.argv[1]); from mingpt_ddp.corpus.order import FeistelPermutation; "
-        "torch.set_num_threads(1); print(FeistelPermutation(12345, 99, 5)(torch.arange(0, 12345, 97)).tolist())"
+        "import sys, torch; sys.path.insert(0, sys.argv[1]); "
+        "from mingpt_ddp.corpus.order import FeistelPermutation; "
+        "torch.set_num_threads(1); "
+        "print(FeistelPermutation(12345, 99, 5)(torch.arange(0, 12345, 97)).tolist())"
     )
     out = subprocess.run(
         [sys.executable, "-c", code, str(REPO)], capture_output=True, text=True, check=True

@@ -1,5 +1,6 @@
-"""The SLURM script: valid bash, it builds the torchrun command the README documents, and under a real
-one-node SLURM cluster a preempted job is requeued and resumes from the snapshot taken on the signal."""
+"""The SLURM script: valid bash, it builds the torchrun command the README documents, and under a
+real one-node SLURM cluster a preempted job is requeued and resumes from the snapshot taken on the
+signal."""
 
 import os
 import subprocess
@@ -57,8 +58,8 @@ def test_a_preempted_job_is_requeued_and_resumes_from_the_snapshot_taken_on_the_
     try:
         log = tmp_path / "slurm.out"
         text = lambda: log.read_text() if log.exists() else ""  # noqa: E731
-        # The script's #SBATCH lines ask for 2 nodes with 4 GPUs; the command line overrides them for
-        # this one CPU node. --open-mode=append: the requeued run adds to the same log.
+        # The script's #SBATCH lines ask for 2 nodes with 4 GPUs; the command line overrides them
+        # for this one CPU node. --open-mode=append: the requeued run adds to the same log.
         job = cluster.run(
             "sbatch",
             "--parsable",

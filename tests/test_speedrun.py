@@ -1,5 +1,5 @@
-"""The speedrun's switches (model.py) and optimizers and schedules (mingpt_ddp/optim.py): each switch trains,
-does what it says, and Muon is correct under DDP and resumes exactly."""
+"""The speedrun's switches (model.py) and optimizers and schedules (mingpt_ddp/optim.py): each
+switch trains, does what it says, and Muon is correct under DDP and resumes exactly."""
 
 import math
 import signal
@@ -217,8 +217,10 @@ def muon_ddp(shakespeare, tmp_path_factory):
 def test_muon_under_ddp_takes_the_single_process_steps_on_the_same_global_batch(
     shakespeare, tmp_path
 ):
-    """Every replica orthogonalises the same all-reduced gradient: 2 ranks x 4 windows = 1 process x 8."""
-    # 20 steps (not the 30 of muon_ddp): bf16 Newton-Schulz rounding differences grow with the steps.
+    """Every replica orthogonalises the same all-reduced gradient: 2 ranks x 4 windows = 1 process
+    x 8."""
+    # 20 steps (not the 30 of muon_ddp): bf16 Newton-Schulz rounding differences grow with the
+    # steps.
     ddp = muon_run(shakespeare, tmp_path / "ddp", nproc=2, batch_size=4, max_steps=20)
     single = muon_run(shakespeare, tmp_path / "one", nproc=0, batch_size=8, max_steps=20)
     losses = [(a["train_loss"], b["train_loss"]) for a, b in zip(ddp, single) if "train_loss" in a]
@@ -233,8 +235,9 @@ def test_muon_under_ddp_takes_the_single_process_steps_on_the_same_global_batch(
 def test_muon_resumes_bitwise_exactly_and_refuses_adamw_on_its_snapshot(
     muon_ddp, shakespeare, tmp_path
 ):
-    """Stopped by SIGTERM after its step-10 snapshot and resumed, a Muon run under DDP equals one never stopped:
-    the same losses, weights and momentum buffers, bit for bit (the momentum is in the snapshot)."""
+    """Stopped by SIGTERM after its step-10 snapshot and resumed, a Muon run under DDP equals one
+    never stopped: the same losses, weights and momentum buffers, bit for bit (the momentum is in
+    the snapshot)."""
     straight_dir, straight = muon_ddp
     args = muon_args(shakespeare, tmp_path / "resumed", nproc=2, batch_size=4, max_steps=30)
     job = start_main(args, nproc=2)

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow
 
 
 def sweep(args: list[str], tmp_path: Path, env: dict | None = None):
-    """python main.py --multirun ARGS, with its jobs under tmp_path/sweep; returns the finished process."""
+    """python main.py --multirun ARGS, with its jobs under tmp_path/sweep; returns the finished
+    process."""
     return run_sweep(args, tmp_path / "sweep", env=env)
 
 
@@ -91,7 +92,8 @@ def test_submitit_runs_each_job_as_a_slurm_job_and_a_preempted_one_resumes(shake
 
     cluster = SlurmCluster()
     try:
-        # timeout_min 60: submitit counts a signal in the last 10 minutes as a time-out, not preemption.
+        # timeout_min 60: submitit counts a signal in the last 10 minutes as a time-out, not
+        # preemption.
         args = [
             "hydra/launcher=submitit_slurm",
             f"hydra.launcher.submitit_folder={tmp_path / 'submitit'}",

@@ -1,8 +1,8 @@
 """Real training runs of main.py: one process and torchrun with 2 ranks on CPU (gloo).
 
 These start real processes, so they are marked slow; `pytest -m "not slow"` skips them. Process
-start-up (torch, Hydra) costs more than these tiny runs' steps, so tests share runs: single_run below,
-and conftest's ddp_reference (two ranks, 30 steps), which test_resume.py compares with too.
+start-up (torch, Hydra) costs more than these tiny runs' steps, so tests share runs: single_run
+below, and conftest's ddp_reference (two ranks, 30 steps), which test_resume.py compares with too.
 """
 
 import shutil
@@ -105,12 +105,12 @@ def test_tensorboard_switch_writes_event_files_with_the_logged_scalars(single_ru
     ]  # every log_every
 
 
-def test_killed_torchrun_job_resumes_at_the_saved_step_and_data_position_and_matches_an_uninterrupted_run(
+def test_killed_torchrun_job_resumes_at_the_saved_step_and_data_position_and_matches_an_uninterrupted_run(  # noqa: E501
     ddp_reference, shakespeare, tmp_path
 ):
-    """Two ranks: the uninterrupted run's snapshot holds the step, the data position and both ranks' RNG
-    states; a job SIGKILLed after its step-10 snapshot, run again, resumes at a saved step and data
-    position and ends with the very losses and weights of the uninterrupted run."""
+    """Two ranks: the uninterrupted run's snapshot holds the step, the data position and both ranks'
+    RNG states; a job SIGKILLed after its step-10 snapshot, run again, resumes at a saved step and
+    data position and ends with the very losses and weights of the uninterrupted run."""
     straight, settings, extra = ddp_reference
     assert "world size 2 | backend gloo" in straight.stdout
     snap = SnapshotStore(str(straight.run_dir / "snapshots")).load_latest()

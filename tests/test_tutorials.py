@@ -109,8 +109,7 @@ def test_spawn_launch_trains_main_py_without_torchrun_and_fails_loudly_on_a_bad_
         timeout=120,
         cwd=tmp_path,
     )
-    assert (
-        bad.returncode == 1
-        and bad.stderr.strip()
-        == "error: Could not override 'trainer_config.max_step'. (Key 'max_step' not in 'TrainerConfig')"
+    assert bad.returncode == 1 and bad.stderr.strip() == (
+        "error: Could not override 'trainer_config.max_step'. "
+        "(Key 'max_step' not in 'TrainerConfig')"
     )

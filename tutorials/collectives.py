@@ -24,7 +24,8 @@ reqs = [dist.isend(mine, (rank + 1) % world), dist.irecv(got, (rank - 1) % world
 for r in reqs:
     r.wait()
 say(
-    f"sent {mine.tolist()} to rank {(rank + 1) % world}, received {got.tolist()} from rank {(rank - 1) % world}"
+    f"sent {mine.tolist()} to rank {(rank + 1) % world}, "
+    f"received {got.tolist()} from rank {(rank - 1) % world}"
 )
 
 title(
@@ -62,7 +63,8 @@ time.sleep(0.2 * rank)  # ranks finish their (simulated) work at different times
 arrived = time.monotonic()
 dist.barrier()  # ...and leave together
 say(
-    f"arrived after {0.2 * rank:.1f} s of work, waited {time.monotonic() - arrived:.2f} s at the barrier"
+    f"arrived after {0.2 * rank:.1f} s of work, "
+    f"waited {time.monotonic() - arrived:.2f} s at the barrier"
 )
 
 dist.destroy_process_group()

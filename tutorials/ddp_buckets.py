@@ -95,12 +95,14 @@ if __name__ == "__main__":
         "default": run(),
         "0.25": run(bucket_cap_mb=0.25),
         "25": run(bucket_cap_mb=25),
-        "find_unused": run(
-            find_unused_parameters=True
-        ),  # DDP warns that nothing was unused: true here
+        # DDP warns that nothing was unused: true here
+        "find_unused": run(find_unused_parameters=True),
         "embeddings_last": run(EmbeddingsLast, find_unused_parameters=True, bucket_cap_mb=0.25),
     }
-    header = f"{'call':>4} {'bucket':>6} {'KiB':>7} {'params':>6} {'full at':>8} {'sent at':>8}  first .. last"
+    header = (
+        f"{'call':>4} {'bucket':>6} {'KiB':>7} {'params':>6} "
+        f"{'full at':>8} {'sent at':>8}  first .. last"
+    )
     for key, label, its in (
         ("default", "bucket_cap_mb=None (the default)", 2),
         ("0.25", "bucket_cap_mb=0.25", 2),
@@ -112,12 +114,11 @@ if __name__ == "__main__":
             for i, c in enumerate(step["calls"] if rank == 0 else []):
                 n = len(step["ready"])
                 print(
-                    f"{i:>4} {c['index']:>6} {c['bytes'] / 1024:>7.1f} {len(c['names']):>6} {c['full']:>5}/{n} "
-                    f"{c['sent']:>5}/{n}  {c['names'][0]} .. {c['names'][-1]}"
+                    f"{i:>4} {c['index']:>6} {c['bytes'] / 1024:>7.1f} {len(c['names']):>6} "
+                    f"{c['full']:>5}/{n} {c['sent']:>5}/{n}  {c['names'][0]} .. {c['names'][-1]}"
                 )
-    if (
-        rank == 0
-    ):  # every True/False and number below comes from the tables: another torch may print others
+    # every True/False and number below comes from the tables: another torch may print others
+    if rank == 0:
         params, flat = (
             [n for n, _ in GPT(CFG).named_parameters()],
             lambda calls: [n for c in calls for n in c["names"]],
@@ -130,26 +131,32 @@ if __name__ == "__main__":
         total, b0, el = first["calls"][0]["bytes"], default[0], runs["embeddings_last"][0]["calls"]
         fu, fu2 = (step["calls"] for step in runs["find_unused"])
         print(
-            f"\n{len(params)} parameter tensors, {total} bytes of fp32 gradients (tied lm_head.weight counted once)."
+            f"\n{len(params)} parameter tensors, {total} bytes of fp32 gradients "
+            "(tied lm_head.weight counted once)."
         )
         print(
-            f"Iteration 1 (default arguments): {len(first['calls'])} bucket(s); model.parameters() order: "
-            f"{flat(first['calls']) == params}; sent after {first['calls'][0]['sent']}/{len(params)} gradients."
+            f"Iteration 1 (default arguments): {len(first['calls'])} bucket(s); "
+            f"model.parameters() order: {flat(first['calls']) == params}; "
+            f"sent after {first['calls'][0]['sent']}/{len(params)} gradients."
         )
         print(
-            f"Iteration 2: buckets follow the order gradients became ready in iteration 1 ({first['ready'][0]} "
-            f"first, {first['ready'][-1]} last): {flat(default) == first['ready']}; {len(default)} buckets at the "
-            f"default cap, {len(small)} at bucket_cap_mb=0.25, {len(runs['25'][1]['calls'])} if bucket_cap_mb=25 is "
-            f"passed explicitly (the 1 MiB first bucket below is only for bucket_cap_mb=None)."
+            f"Iteration 2: buckets follow the order gradients became ready in iteration 1 "
+            f"({first['ready'][0]} first, {first['ready'][-1]} last): "
+            f"{flat(default) == first['ready']}; {len(default)} buckets at the default cap, "
+            f"{len(small)} at bucket_cap_mb=0.25, "
+            f"{len(runs['25'][1]['calls'])} if bucket_cap_mb=25 is passed explicitly "
+            f"(the 1 MiB first bucket below is only for bucket_cap_mb=None)."
         )
         print(
             f"Bucket 0 holds the last {len(b0['names'])} parameters of model.parameters(): "
-            f"{set(b0['names']) == set(params[-len(b0['names']) :])}; {b0['bytes']} bytes for a 1 MiB cap "
-            f"({2**20} bytes): a bucket closes at the parameter that reaches its cap ({b0['names'][-1]})."
+            f"{set(b0['names']) == set(params[-len(b0['names']) :])}; "
+            f"{b0['bytes']} bytes for a 1 MiB cap ({2**20} bytes): "
+            f"a bucket closes at the parameter that reaches its cap ({b0['names'][-1]})."
         )
         print(
             f"find_unused_parameters=True: model.parameters() cut into buckets in reverse order: "
-            f"{flat(fu[::-1]) == params}; never rebuilt: {fu == fu2}; the last bucket ({fu[-1]['bytes']} bytes) "
+            f"{flat(fu[::-1]) == params}; never rebuilt: {fu == fu2}; "
+            f"the last bucket ({fu[-1]['bytes']} bytes) "
             f"holds the first-defined parameters ({fu[-1]['names'][0]} first)."
         )
         in_order = all(
@@ -158,21 +165,23 @@ if __name__ == "__main__":
             for s in r
         )
         print(
-            f"Hooks ran in bucket-index order in every run: {in_order}. Embeddings listed last: bucket 0 "
-            f"({', '.join(el[0]['names'][-3:])}) was full only at gradient {el[0]['full']}/{len(params)}, so "
-            f"{sum(c['sent'] > c['full'] for c in el)} buckets full earlier waited for it."
+            f"Hooks ran in bucket-index order in every run: {in_order}. "
+            f"Embeddings listed last: bucket 0 ({', '.join(el[0]['names'][-3:])}) "
+            f"was full only at gradient {el[0]['full']}/{len(params)}, "
+            f"so {sum(c['sent'] > c['full'] for c in el)} buckets full earlier waited for it."
         )
         for key, calls in (("the default cap", default), ("bucket_cap_mb=0.25", small)):
-            early = [
-                c for c in calls if c["sent"] < len(params)
-            ]  # launched before the last gradient was ready
+            # launched before the last gradient was ready
+            early = [c for c in calls if c["sent"] < len(params)]
             print(
-                f"At {key}: {len(calls)} buckets, {len(early)} sent while backward was still running, with "
-                f"{sum(c['bytes'] for c in early) * 100 // total}% of the {total / 1e6:.1f} MB; the rest waits "
-                f"for the end of backward."
+                f"At {key}: {len(calls)} buckets, "
+                f"{len(early)} sent while backward was still running, "
+                f"with {sum(c['bytes'] for c in early) * 100 // total}% of the "
+                f"{total / 1e6:.1f} MB; the rest waits for the end of backward."
             )
         if len(sys.argv) > 1:
             with open(sys.argv[1], "w") as f:
                 json.dump({"params": params, "runs": runs}, f, indent=1)
-    dist.barrier()  # leave together: a rank tearing down while a peer still talks to it can abort gloo
+    # leave together: a rank tearing down while a peer still talks to it can abort gloo
+    dist.barrier()
     dist.destroy_process_group()

@@ -38,7 +38,8 @@ def parameter_server_all_reduce(t: torch.Tensor) -> tuple[int, int]:
 
 
 def ring(t: torch.Tensor) -> tuple[int, int]:
-    """The ring, with the same (sent, received) answer: each rank receives what its neighbour sends."""
+    """The ring, with the same (sent, received) answer: each rank receives what its neighbour
+    sends."""
     sent = ring_all_reduce(t)
     return sent, sent
 
@@ -47,7 +48,8 @@ if __name__ == "__main__":
     rank, world = init()
     x = torch.randn(MiB) + rank  # 2^20 float32 = 4 MiB
     title(
-        f"{world} ranks, a 4 MiB float32 tensor: what each rank sends and receives, and the time (mean of 5)"
+        f"{world} ranks, a 4 MiB float32 tensor: what each rank sends and receives, "
+        "and the time (mean of 5)"
     )
     for name, fn in (("parameter server", parameter_server_all_reduce), ("ring", ring)):
         result = x.clone()
@@ -61,6 +63,7 @@ if __name__ == "__main__":
             fn(x.clone())
         ms = 1e3 * (time.perf_counter() - t0) / 5
         say(
-            f"{name:<17} sent {sent / MiB:5.2f} MiB  received {received / MiB:5.2f} MiB  {ms:7.1f} ms"
+            f"{name:<17} sent {sent / MiB:5.2f} MiB  "
+            f"received {received / MiB:5.2f} MiB  {ms:7.1f} ms"
         )
     dist.destroy_process_group()

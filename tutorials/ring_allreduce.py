@@ -19,7 +19,8 @@ from common import init, say, title
 
 
 def ring_all_reduce(t: torch.Tensor) -> int:
-    """Sum t over all ranks, in place, with a ring of send/recv. Returns the bytes this rank sent."""
+    """Sum t over all ranks, in place, with a ring of send/recv. Returns the bytes this rank
+    sent."""
     rank, world = dist.get_rank(), dist.get_world_size()
     right, left = (rank + 1) % world, (rank - 1) % world
     chunks = list(t.view(-1).tensor_split(world))  # views: writing a chunk writes t
@@ -49,9 +50,8 @@ if __name__ == "__main__":
     title(f"ring all-reduce on {world} ranks vs dist.all_reduce")
     for dtype in (torch.int64, torch.float32):
         g = torch.Generator().manual_seed(rank)
-        x = torch.randint(-1000, 1000, (1003,), generator=g).to(
-            dtype
-        )  # 1003: chunks of unequal size
+        # 1003: chunks of unequal size
+        x = torch.randint(-1000, 1000, (1003,), generator=g).to(dtype)
         if dtype.is_floating_point:
             x = x / 7.0
         ours, reference = x.clone(), x.clone()
@@ -64,8 +64,15 @@ if __name__ == "__main__":
         )
         ok &= same
         formula = 2 * (world - 1) / world * x.numel() * x.element_size()
+        verdict = (
+            "exactly"
+            if not dtype.is_floating_point and same
+            else "within float tolerance"
+            if same
+            else "NO"
+        )
         say(
-            f"{str(dtype):<13} matches dist.all_reduce: {'exactly' if not dtype.is_floating_point and same else 'within float tolerance' if same else 'NO'}"
+            f"{str(dtype):<13} matches dist.all_reduce: {verdict}"
             f" | sent {sent} bytes, 2(N-1)/N x size = {formula:.0f}"
         )
 

@@ -1,4 +1,5 @@
-"""The smallest change that makes a training script distributed. Lines marked `# DDP` are the change.
+"""The smallest change that makes a training script distributed. Lines marked `# DDP` are the
+change.
 
     python tutorials/single_to_ddp.py                                   # one process
     torchrun --standalone --nproc_per_node=2 tutorials/single_to_ddp.py # two: same script
@@ -16,9 +17,9 @@ import torch.distributed as dist  # DDP
 from torch.nn.parallel import DistributedDataParallel as DDP  # DDP
 from torch.utils.data import (
     DataLoader,
-    DistributedSampler,
+    DistributedSampler,  # DDP: DistributedSampler
     TensorDataset,
-)  # DDP: DistributedSampler
+)
 
 distributed = "WORLD_SIZE" in os.environ  # DDP: set by torchrun
 if distributed:
@@ -31,12 +32,12 @@ data = TensorDataset(x, 3 * x + 1)
 model = torch.nn.Linear(1, 1)
 if distributed:
     model = DDP(model)  # DDP: gradients all-reduced
-sampler = (
+sampler = (  # DDP: a shard per rank
     DistributedSampler(data, shuffle=True, seed=0) if distributed else None
-)  # DDP: a shard per rank
-loader = DataLoader(
+)
+loader = DataLoader(  # same global batch
     data, batch_size=32 // world, sampler=sampler, shuffle=sampler is None
-)  # same global batch
+)
 opt = torch.optim.SGD(model.parameters(), lr=0.5)
 
 for epoch in range(20):
@@ -57,5 +58,6 @@ if rank == 0:  # DDP: print once
         f"world size {world}: y = {w:.3f} x + {b:.3f} (target 3x + 1), last loss {loss.item():.5f}"
     )
 if distributed:
-    dist.barrier()  # leave together: a rank tearing down while a peer still talks to it can abort gloo
+    # leave together: a rank tearing down while a peer still talks to it can abort gloo
+    dist.barrier()
     dist.destroy_process_group()  # DDP: leave the group

@@ -1,7 +1,7 @@
 """Launching without torchrun: torch.multiprocessing.spawn, and what a launcher really does.
 
-    python tutorials/spawn_launch.py --nproc 2                                    # main.py's training, 2 ranks
-    python tutorials/spawn_launch.py --nproc 2 trainer_config.max_steps=100      # with overrides
+    python tutorials/spawn_launch.py --nproc 2  # main.py's training, 2 ranks
+    python tutorials/spawn_launch.py --nproc 2 trainer_config.max_steps=100  # with overrides
 
 A launcher's whole job is to start N copies of the training code and tell each one
 who it is. torchrun does that with environment variables (RANK, LOCAL_RANK,
