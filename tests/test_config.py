@@ -337,7 +337,7 @@ def test_ci_runs_the_test_command_the_readme_gives():
     assert commands == [
         'python3 -m pip install -q -e ".[test]"',
         "python3 -m ruff format --check . && python3 -m ruff check .",
-        "python3 -m pytest -q",
+        "python3 -m pytest -q -n 3 --dist loadfile",
     ]
     ci_lines = [line.split("#")[0].strip() for line in ci.splitlines()]
     assert [ci_lines.index(command) for command in commands] == sorted(
