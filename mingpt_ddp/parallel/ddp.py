@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mingpt_ddp.errors import ConfigError
-from mingpt_ddp.parallel.single import Single
+from mingpt_ddp.parallel.single import CPU_OFFLOAD_NEEDS_FSDP, Single
 from mingpt_ddp.parallel.strategy import StrategyArgs
 
 
@@ -28,11 +28,7 @@ class DDPStrategy(Single):
     @classmethod
     def check(cls, args: StrategyArgs) -> None:
         if args.plan.cpu_offload:
-            raise ConfigError(
-                "trainer_config.fsdp_cpu_offload=true keeps FSDP's shards in CPU memory "
-                "instead of GPU memory: it needs parallel=fsdp on GPUs; set "
-                "fsdp_cpu_offload=false"
-            )
+            raise ConfigError(CPU_OFFLOAD_NEEDS_FSDP)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         model = super().wrap(model)  # compiled in place first, if asked

@@ -204,7 +204,7 @@ class DeepSpeedStrategy(Strategy):
 
     @classmethod
     def check(cls, args: StrategyArgs) -> None:
-        check_no_foreign_options(args.plan, args.ctx.device)
+        check_no_foreign_options(args.plan)
         check_muon_supported(args.optim, "deepspeed")
         if not args.ctx.distributed:
             raise ConfigError(

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.optim import check_muon_supported
 from mingpt_ddp.parallel.plan import AMP_DTYPES
-from mingpt_ddp.parallel.single import Single
+from mingpt_ddp.parallel.single import CPU_OFFLOAD_NEEDS_FSDP, VIA_RANK0_NEEDS_DDP, Single
 from mingpt_ddp.parallel.strategy import StrategyArgs
 from mingpt_ddp.snapshots.layout import FileLayout
 
@@ -72,15 +72,9 @@ class FSDPStrategy(Single):
                 "(--nproc_per_node=1 for one process) or use parallel=ddp"
             )
         if args.plan.cpu_offload and args.ctx.device.type != "cuda":
-            raise ConfigError(
-                "trainer_config.fsdp_cpu_offload=true keeps FSDP's shards in CPU memory "
-                "instead of GPU memory: it needs parallel=fsdp on GPUs; set "
-                "fsdp_cpu_offload=false"
-            )
+            raise ConfigError(CPU_OFFLOAD_NEEDS_FSDP)
         if args.plan.grad_reduce == "via_rank0":
-            raise ConfigError(
-                "trainer_config.grad_reduce=via_rank0 is a DDP communication hook; use parallel=ddp"
-            )
+            raise ConfigError(VIA_RANK0_NEEDS_DDP)
         check_muon_supported(args.optim, "fsdp")
 
     def wrap(self, model: nn.Module) -> nn.Module:

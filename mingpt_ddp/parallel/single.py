@@ -54,7 +54,7 @@ class Single(Strategy):
                 "trainer_config.parallel=none with several ranks would train diverging "
                 "copies; use ddp or fsdp"
             )
-        check_no_foreign_options(args.plan, args.ctx.device)
+        check_no_foreign_options(args.plan)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         if self.plan.compile:
@@ -160,14 +160,19 @@ class Single(Strategy):
         return False
 
 
-def check_no_foreign_options(plan, device: torch.device) -> None:
+# The refusals of one mode's option set under another mode (shared by the modes that refuse them).
+CPU_OFFLOAD_NEEDS_FSDP = (
+    "trainer_config.fsdp_cpu_offload=true keeps FSDP's shards in CPU memory instead "
+    "of GPU memory: it needs parallel=fsdp on GPUs; set fsdp_cpu_offload=false"
+)
+VIA_RANK0_NEEDS_DDP = (
+    "trainer_config.grad_reduce=via_rank0 is a DDP communication hook; use parallel=ddp"
+)
+
+
+def check_no_foreign_options(plan) -> None:
     """Options of another mode, set where they would do nothing: refused, naming the mode."""
     if plan.cpu_offload:
-        raise ConfigError(
-            "trainer_config.fsdp_cpu_offload=true keeps FSDP's shards in CPU memory instead "
-            "of GPU memory: it needs parallel=fsdp on GPUs; set fsdp_cpu_offload=false"
-        )
+        raise ConfigError(CPU_OFFLOAD_NEEDS_FSDP)
     if plan.grad_reduce == "via_rank0":
-        raise ConfigError(
-            "trainer_config.grad_reduce=via_rank0 is a DDP communication hook; use parallel=ddp"
-        )
+        raise ConfigError(VIA_RANK0_NEEDS_DDP)
