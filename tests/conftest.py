@@ -26,6 +26,26 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+
+def share_the_cores() -> int:
+    """CPU threads per job when pytest-xdist runs several test files at once: the cores divided
+    among the workers (OMP_NUM_THREADS, which every job this session starts inherits, and this
+    process's own torch). Without it each `python main.py` starts one OpenMP thread per core, and
+    threads that outnumber the cores spin waiting for each other: three such runs at once on 2
+    cores took 78 s and 150 CPU-seconds, with one thread each 19 s and 37 (gpu_check's CPU row).
+    A serial run keeps torch's default; a value the caller set is kept."""
+    import torch
+
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (cores or 1) // workers))
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    return torch.get_num_threads()
+
+
+share_the_cores()
+
 from benchmarks.common import (  # noqa: E402 - needs REPO on sys.path first
     MAIN,
     TINY,
