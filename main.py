@@ -147,8 +147,8 @@ def run(job) -> Outcome:
     """Train one job (a config.job_schema() instance) on this process's rank."""
     tcfg, ctx, store = job.trainer_config, None, None
     try:
-        ctx = setup_distributed(tcfg.collective_timeout_s, tcfg.device)
-        announce_job(ctx, tcfg)
+        ctx = setup_distributed(tcfg.collective_timeout_s, tcfg.device, tcfg.run_dir)
+        announce_job(ctx, tcfg, job.deepspeed_config)
         store = SnapshotStore(tcfg.snapshot_url, tcfg.keep_last, tcfg.s3_endpoint_url)
         trainer = build_trainer(job, ctx, store)
         finished = trainer.train()
@@ -205,10 +205,11 @@ def build_trainer(job, ctx: DistContext, store: SnapshotStore) -> Trainer:
     return trainer
 
 
-def announce_job(ctx: DistContext, tcfg) -> None:
+def announce_job(ctx: DistContext, tcfg, ds_cfg) -> None:
     """The job line (who, where, how many threads, which precision and why) and, after a restart,
     what the previous attempt left."""
-    threads = set_cpu_threads(ctx, tcfg.cpu_threads)
+    offloads = tcfg.fsdp_cpu_offload or ds_cfg.offload_optimizer  # the update runs on the CPU
+    threads = set_cpu_threads(ctx, tcfg.cpu_threads, optimizer_on_cpu=offloads)
     allocator = keep_freed_cpu_memory(ctx.device, tcfg.cpu_keep_freed_memory)
     use_amp, amp_dtype, why = choose_precision(tcfg.use_amp, tcfg.amp_dtype, ctx.device)
     backend = torch.distributed.get_backend() if ctx.distributed else "none"

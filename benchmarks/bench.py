@@ -43,6 +43,7 @@ sys.path.insert(0, REPO)
 import torch  # noqa: E402
 
 from mingpt_ddp.metrics import MetricsLog  # noqa: E402
+from mingpt_ddp.parallel.plan import tf32_matmuls  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 # Recipes are the `recipe` config group (mingpt_ddp/config/schema.py): the shape, context and batch
@@ -61,29 +62,54 @@ def recipe_shape(overrides: list[str]) -> tuple:
     return g.n_layer, g.n_head, g.n_embd, job.data_config.block_size, t.batch_size, g.dropout
 
 
+# Every mode sets its precision: left to "auto", a row named fp32 trains in bf16 on a GPU.
+FP32 = {"use_amp": False}
+
+
+def amp(dtype: str) -> dict:
+    return {"use_amp": True, "amp_dtype": dtype}
+
+
 # name: (processes, trainer_config overrides)
 CPU_MODES = [
-    ("single process", 1, {"parallel": "none"}),
-    ("single + torch.compile", 1, {"parallel": "none", "compile": True}),
-    ("single + bf16 autocast", 1, {"parallel": "none", "use_amp": True}),
-    ("star all-reduce via rank 0 x2", 2, {"parallel": "ddp", "grad_reduce": "via_rank0"}),
-    ("DDP x2", 2, {"parallel": "ddp"}),
-    ("star all-reduce via rank 0 x4", 4, {"parallel": "ddp", "grad_reduce": "via_rank0"}),
-    ("DDP x4", 4, {"parallel": "ddp"}),
-    ("DDP x2 + bf16 autocast", 2, {"parallel": "ddp", "use_amp": True}),
-    ("FSDP x2", 2, {"parallel": "fsdp"}),
+    ("single process", 1, {"parallel": "none", **FP32}),
+    ("single + torch.compile", 1, {"parallel": "none", "compile": True, **FP32}),
+    ("single + bf16 autocast", 1, {"parallel": "none", **amp("bf16")}),
+    ("star all-reduce via rank 0 x2", 2, {"parallel": "ddp", "grad_reduce": "via_rank0", **FP32}),
+    ("DDP x2", 2, {"parallel": "ddp", **FP32}),
+    ("star all-reduce via rank 0 x4", 4, {"parallel": "ddp", "grad_reduce": "via_rank0", **FP32}),
+    ("DDP x4", 4, {"parallel": "ddp", **FP32}),
+    ("DDP x2 + bf16 autocast", 2, {"parallel": "ddp", **amp("bf16")}),
+    ("FSDP x2", 2, {"parallel": "fsdp", **FP32}),
 ]
-GPU_MODES = [  # one GPU: the precision and compiler choices
-    ("single GPU fp32", 1, {"parallel": "none"}),
-    ("single GPU bf16 autocast", 1, {"parallel": "none", "use_amp": True}),
-    ("single GPU bf16 + compile", 1, {"parallel": "none", "use_amp": True, "compile": True}),
+
+
+def gpu_modes(dtype: str) -> list[tuple[str, int, dict]]:
+    """One GPU: the precision and compiler choices. dtype: the 16-bit type this GPU multiplies in
+    hardware (bf16 from Ampere on, fp16 on V100/T4, where bf16 is only emulated)."""
+    return [
+        ("single GPU fp32", 1, {"parallel": "none", **FP32}),
+        (f"single GPU {dtype} autocast", 1, {"parallel": "none", **amp(dtype)}),
+        (f"single GPU {dtype} + compile", 1, {"parallel": "none", "compile": True, **amp(dtype)}),
+    ]
+
+
+SMOKE_MODES = [
+    ("single process", 1, {"parallel": "none", **FP32}),
+    ("DDP x2", 2, {"parallel": "ddp", **FP32}),
 ]
-SMOKE_MODES = [("single process", 1, {"parallel": "none"}), ("DDP x2", 2, {"parallel": "ddp"})]
+
+
+def precision_of(overrides: dict) -> str:
+    return overrides["amp_dtype"] if overrides["use_amp"] else "fp32"
 
 
 def peak_gflops(dtype: torch.dtype, n: int) -> float:
-    """The best of a few n x n matmuls in this precision, using every core (or the GPU)."""
+    """The best of a few n x n matmuls in this precision, using every core (or the GPU). fp32 on
+    a GPU is measured as the runs compute it: TF32 where the GPU has it (trainer_config.tf32's
+    default), so that an fp32 row's MFU is not divided by a full-precision peak."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.set_float32_matmul_precision("high" if device == "cuda" else "highest")
     a, b = (
         torch.randn(n, n, dtype=dtype, device=device),
         torch.randn(n, n, dtype=dtype, device=device),
@@ -171,7 +197,7 @@ def run_mode(
     row = {
         "mode": name,
         "processes": nproc,
-        "precision": "bf16" if overrides.get("use_amp") else "fp32",
+        "precision": precision_of(overrides),
         "ms_per_step": round(ms, 2),
         "tokens_per_sec": round(global_batch * block / ms * 1e3, 1),
         "data_pct": round(100 * data_ms / ms, 2),
@@ -244,7 +270,9 @@ def main() -> int:
     recipe_name = "smoke" if args.smoke else args.recipe
     recipe = recipe_shape(SMOKE if args.smoke else [f"recipe={args.recipe}"])
     steps, log_every = (8, 2) if args.smoke else (args.steps, args.log_every)
-    modes = SMOKE_MODES if args.smoke else GPU_MODES if torch.cuda.is_available() else CPU_MODES
+    gpu = torch.cuda.is_available()
+    native16 = "bf16" if gpu and torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
+    modes = SMOKE_MODES if args.smoke else gpu_modes(native16) if gpu else CPU_MODES
     if args.modes:
         wanted = [m.strip() for m in args.modes.split(",")]
         modes = [m for m in modes if any(w in m[0] for w in wanted)]
@@ -252,7 +280,7 @@ def main() -> int:
     if not modes:
         sys.exit(
             f"error: --modes {args.modes!r} matches none of: "
-            f"{', '.join(m[0] for m in CPU_MODES + GPU_MODES)}"
+            f"{', '.join(m[0] for m in CPU_MODES + gpu_modes(native16))}"
         )
     if steps < 3 * log_every:
         sys.exit(
@@ -262,17 +290,19 @@ def main() -> int:
         )
     hw = hardware()
     size = 512 if args.smoke else 4096 if torch.cuda.is_available() else 2048
-    peaks = {
-        "fp32": args.peak_gflops or peak_gflops(torch.float32, size),
-        "bf16": args.peak_gflops or peak_gflops(torch.bfloat16, size),
-    }
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    needed = {"fp32", "bf16"} | {precision_of(m[2]) for m in modes}
+    peaks = {p: args.peak_gflops or peak_gflops(dtypes[p], size) for p in sorted(needed)}
+    tf32 = gpu and tf32_matmuls(torch.device("cuda"))
     vocab = len(set(open(args.data, encoding="utf-8").read()))
     fpt = flops_per_token(recipe, vocab)
     print(
         f"bench | {hw['device']} | "
         f"{hw.get('cores', hw.get('gpus'))} {'cores' if 'cores' in hw else 'GPUs'} | "
         f"torch {hw['torch']} | "
-        f"matmul peak fp32 {peaks['fp32']:.0f} / bf16 {peaks['bf16']:.0f} GFLOP/s"
+        "matmul peak "
+        + " / ".join(f"{p}{' (TF32)' * (p == 'fp32' and tf32)} {v:.0f}" for p, v in peaks.items())
+        + " GFLOP/s"
     )
     print(
         f"bench | recipe {recipe_name}: {recipe[0]} layers x {recipe[1]} heads x {recipe[2]} wide, "

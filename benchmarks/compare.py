@@ -132,6 +132,12 @@ def command(launcher: str, nproc: int, args: list[str]) -> tuple[list[str], dict
     raise ValueError(launcher)
 
 
+def fp32_unless_amp(overrides: list[str]) -> list[str]:
+    """fp32 unless the row says otherwise: "auto" would pick bf16 on a GPU (and on a CPU with bf16
+    units), and the DDP row would be the DDP + AMP row again."""
+    return [] if any("use_amp" in o for o in overrides) else ["trainer_config.use_amp=false"]
+
+
 def run_row(row: tuple, nproc: int, workload: tuple, data: str, device: str, workdir: str) -> dict:
     notes_name, notes_min, what, launcher, overrides = row
     base, per_rank_batch, steps = workload
@@ -143,6 +149,7 @@ def run_row(row: tuple, nproc: int, workload: tuple, data: str, device: str, wor
     args = [
         *base,
         *overrides,
+        *fp32_unless_amp(overrides),
         f"data_config.path={data}",
         f"data_config.cache_dir={workdir}/prepared",
         f"trainer_config.device={device}",

@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -101,33 +100,6 @@ def test_data_scale_smoke_mode_prepares_trains_and_measures_memory_per_rank(shak
         )
     assert report["rows"][2]["dtype"] == "int16" and report["rows"][2]["vocab"] > 256
     assert report["readers"]["pread_rss_growth_mb"] < report["readers"]["mmap_rss_growth_mb"]
-
-
-def test_gpu_check_skips_cleanly_without_a_gpu_and_its_harness_runs_on_the_cpu(
-    shakespeare, tmp_path
-):
-    script = [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--data", str(shakespeare)]
-    if not torch.cuda.is_available():
-        skipped = subprocess.run(
-            script + ["--out", str(tmp_path / "none.json")], capture_output=True, text=True
-        )
-        assert (
-            skipped.returncode == 0
-            and "no CUDA device visible: GPU checks skipped" in skipped.stdout
-        )
-    rehearsal = subprocess.run(
-        script + ["--device", "cpu", "--only", "single fp32", "--out", str(tmp_path / "gc.json")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert rehearsal.returncode == 0, rehearsal.stdout[-2000:] + rehearsal.stderr[-2000:]
-    [row] = json.loads((tmp_path / "gc.json").read_text())["rows"]
-    assert (
-        row["check"] == "single fp32 (TF32)"
-        and row["result"] == "pass"
-        and "ms/step" in row["numbers"]
-    )
 
 
 def test_compare_smoke_mode_times_rows_end_to_end_and_says_why_a_row_cannot_run(

@@ -41,6 +41,20 @@ def test_the_command_built_for_a_slurm_allocation_is_the_one_in_the_readme():
     assert out.stdout.strip() == documented
 
 
+def test_the_script_keeps_its_promises_on_gpu_nodes():
+    """What a 2 x 8 GPU job needs from it: the GPUs per node overridable (sbatch --gpus-per-node),
+    the workers given as long to save as the signal promises, srun's tasks their cores, and gloo
+    an interface that reaches the other nodes."""
+    text = SCRIPT.read_text()
+    lead = int(text.split("--signal=TERM@")[1].split()[0])
+    shutdown = int(text.split('--shutdown-timeout="${SHUTDOWN_TIMEOUT:-')[1].split("}")[0])
+    assert shutdown < lead  # torchrun's default SIGKILLs 30 s after forwarding SIGTERM
+    assert "export SRUN_CPUS_PER_TASK=${SLURM_CPUS_PER_TASK" in text  # Slurm >= 22.05
+    assert "export GLOO_SOCKET_IFNAME=" in text
+    assert "nproc_per_node=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE" in text
+    assert "sbatch --nodes=2 --gpus-per-node=8 slurm/train.sbatch" in text
+
+
 def wait_until(condition, what: str, detail=lambda: "", timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     while not condition():

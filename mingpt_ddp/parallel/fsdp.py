@@ -19,6 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
@@ -81,9 +82,7 @@ class FSDPStrategy(Single):
         """Shard in place, block by block, then the root (embeddings, final norm, head): each
         block's parameters are gathered just before it runs and freed after."""
         plan = self.plan
-        if (
-            plan.compile
-        ):  # block by block (torchtitan's way): each block is also a unit FSDP gathers
+        if plan.compile:  # block by block (torchtitan's way): each block is a unit FSDP gathers
             for block in model.blocks:
                 block.compile()
         # bf16 compute copies of the parameters, fp32 gradient reduction (summing many small
@@ -94,9 +93,14 @@ class FSDPStrategy(Single):
             else MixedPrecisionPolicy()
         )
         offload = CPUOffloadPolicy() if plan.cpu_offload else OffloadPolicy()
+        # The mesh on this rank's own device: left out, fully_shard builds one on whatever
+        # accelerator torch finds, so trainer_config.device=cpu on a GPU host would put the shards
+        # on cuda:LOCAL_RANK behind a gloo-only group.
+        mesh = init_device_mesh(self.device.type, (self.ctx.world_size,))
         for module in [*model.blocks, model]:
             fully_shard(
                 module,
+                mesh=mesh,
                 mp_policy=mp,
                 offload_policy=offload,
                 reshard_after_forward=plan.reshard_after_forward,

@@ -61,11 +61,20 @@ def choose_precision(
     )
     if use_amp != "auto":
         return bool(use_amp), dtype, f"trainer_config.use_amp={str(bool(use_amp)).lower()}"
-    if device.type == "cuda":
-        return True, dtype, f"auto: {evidence}" + ("" if native else ", fp16 tensor cores")
+    if device.type == "cuda":  # every CUDA GPU has 16-bit tensor cores or units of some kind
+        if native or dtype == "fp16":
+            return True, dtype, f"auto: {evidence}" + ("" if native else ", fp16 tensor cores")
+        # amp_dtype=bf16 asked for on a GPU without bf16 units: torch emulates it, in fp32 units
+        return True, dtype, f"auto: {evidence}, so bf16 is emulated (amp_dtype=fp16 is faster)"
     if dtype == "bf16" and native:
         return True, dtype, f"auto: {evidence}"
     return False, dtype, f"auto: {evidence}, so {dtype} would be emulated, slower than fp32"
+
+
+def tf32_matmuls(device: torch.device) -> bool:
+    """Whether fp32 matmuls can run as TF32 on this device: NVIDIA GPUs from Ampere (compute
+    capability 8.0) on; V100 and T4 have no TF32, and the setting changes nothing there."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def set_tf32(plan: Plan, device: torch.device) -> None:
@@ -140,8 +149,30 @@ def autocast_attention_fp32(
 
 
 def grad_scaler(plan: Plan, device: torch.device) -> torch.amp.GradScaler:
-    """A GradScaler that is active only for fp16 (bf16 does not underflow like fp16 does)."""
-    return torch.amp.GradScaler(device.type, enabled=plan.use_amp and plan.amp_dtype == "fp16")
+    """A GradScaler that is active only for fp16 (bf16 does not underflow like fp16 does); its
+    scale kept in CPU memory where the gradients are (FSDP CPU offload)."""
+    enabled = plan.use_amp and plan.amp_dtype == "fp16"
+    if plan.cpu_offload:
+        return CPUScaleGradScaler(device.type, enabled=enabled)
+    return torch.amp.GradScaler(device.type, enabled=enabled)
+
+
+class CPUScaleGradScaler(torch.amp.GradScaler):
+    """fp16's loss scale held in CPU memory, for gradients and optimizer state that live there
+    (FSDP CPU offload) while the loss is computed on a GPU.
+
+    torch's GradScaler keeps its scale beside the first loss it scales (on the GPU) and hands each
+    other device a copy made with non_blocking=True. To the CPU such a copy lands in pinned memory
+    asynchronously, yet the CPU unscale kernel and the fused CPU AdamW read it at once: a stale
+    1/scale, or an overflow flag overwritten by the late copy, so overflowed steps are applied
+    and the scale never backs off. With the scale on the CPU every copy the CPU side reads is a
+    plain one, and the GPU receives the scale when the loss is scaled (a host-to-device copy that
+    is safe to overlap)."""
+
+    def scale(self, outputs):
+        if self._enabled and self._scale is None:
+            self._lazy_init_scale_growth_tracker(torch.device("cpu"))
+        return super().scale(outputs)
 
 
 def local_bytes(tensors) -> int:

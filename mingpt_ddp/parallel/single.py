@@ -44,6 +44,7 @@ class Single(Strategy):
         self.optimizers = build_optimizers(model, args.optim, self.device.type)  # [AdamW] (+ Muon)
         self.scaler = grad_scaler(self.plan, self.device)
         self.last_norm = torch.zeros(())
+        self.attention_fp32: bool | None = None  # None: attention is not under bf16 autocast
         self.attention_choice = self.choose_attention_precision(model, args.batch_size)
 
     @classmethod
@@ -74,9 +75,13 @@ class Single(Strategy):
         shape = (batch_size, g.n_head, g.block_size, g.n_embd // g.n_head)  # (B, nh, T, hs)
         mine = autocast_attention_fp32(self.plan, self.device, shape) if self.ctx.is_main else None
         fp32, choice = self.control.gather(mine)[0]
-        for block in model.blocks:
-            block.attn.fp32_under_autocast = fp32
+        self.set_attention_fp32(fp32)
         return choice
+
+    def set_attention_fp32(self, fp32: bool) -> None:
+        self.attention_fp32 = fp32
+        for block in self.model.blocks:
+            block.attn.fp32_under_autocast = fp32
 
     def autocasts(self) -> bool:
         """Whether forward runs under torch.autocast (modes that cast the parameters themselves do
@@ -133,11 +138,23 @@ class Single(Strategy):
         return local_bytes(state_tensors(self.optimizers))
 
     def snapshot_meta(self) -> dict:
-        return {**super().snapshot_meta(), "scaler": self.scaler.state_dict()}  # fp16's loss scale
+        # fp16's loss scale, and attention's precision under bf16 autocast (timed at the start)
+        return {
+            **super().snapshot_meta(),
+            "scaler": self.scaler.state_dict(),
+            "attention_fp32": self.attention_fp32 if self.attention_choice else None,
+        }
 
     def load_snapshot_meta(self, meta: dict) -> None:
         if meta.get("scaler"):
             self.scaler.load_state_dict(meta["scaler"])
+        # The precision the run computed attention in, not this start's timing (which can come
+        # out the other way on a busier or different machine): a resumed run computes as before.
+        kept = meta.get("attention_fp32")
+        if kept is not None and self.attention_choice:
+            self.set_attention_fp32(kept)
+            precision = "fp32" if kept else "bf16"
+            self.attention_choice = f"attention {precision} (as the snapshot's run)"
 
     def tensor_state(self) -> dict:
         """Model and optimizer state keyed by parameter name (the same names with DDP, FSDP or

@@ -66,7 +66,7 @@ import torch.nn as nn
 from mingpt_ddp.config.deepspeed import DeepSpeedConfig
 from mingpt_ddp.config.optimizer import OptimizerConfig
 from mingpt_ddp.errors import SnapshotMismatch
-from mingpt_ddp.parallel.plan import Plan, bf16_native
+from mingpt_ddp.parallel.plan import Plan, bf16_native, tf32_matmuls
 from mingpt_ddp.runtime.distributed import ControlPlane, DistContext
 from mingpt_ddp.snapshots.files import OpenSnapshot
 from mingpt_ddp.snapshots.layout import FileLayout
@@ -148,7 +148,7 @@ class Strategy:
     def precision(self) -> str:
         plan = self.plan
         if not plan.use_amp:
-            return "fp32 (TF32 matmuls)" if self.device.type == "cuda" and plan.tf32 else "fp32"
+            return "fp32 (TF32 matmuls)" if plan.tf32 and tf32_matmuls(self.device) else "fp32"
         words = self.amp_words.format(dtype=plan.amp_dtype)
         if plan.amp_dtype == "bf16":  # whether the hardware has bf16 units decides if bf16 pays off
             words += f" ({bf16_native(self.device)[1]})" + self.attention_words()

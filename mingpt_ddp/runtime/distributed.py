@@ -94,12 +94,15 @@ def backend_for(device: torch.device) -> str:
     return "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
 
 
-def setup_distributed(timeout_s: float = 600.0, device: str = "auto") -> DistContext:
+def setup_distributed(
+    timeout_s: float = 600.0, device: str = "auto", trace_dir: str = ""
+) -> DistContext:
     """Join the process group described by the launcher's environment, or run alone.
 
     timeout_s bounds every collective: a rank that stops answering turns into an
     error on the others after that long, instead of a job that hangs forever.
     device is trainer_config.device: auto (a GPU per rank if there are GPUs), cpu, or cuda.
+    trace_dir: where a GPU rank's flight recorder dumps its last collectives on a timeout.
     """
     global _IS_MAIN
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -115,10 +118,29 @@ def setup_distributed(timeout_s: float = 600.0, device: str = "auto") -> DistCon
     chosen = choose_device(device, gpus, local_rank, local_world_size)
     if chosen.type == "cuda":
         torch.cuda.set_device(chosen)  # one GPU per process, picked by its rank on this node
+        os.environ.update({**flight_recorder_env(trace_dir), **os.environ})  # the user's win
     _join(chosen, rank, world_size, restart_count, timedelta(seconds=timeout_s))
     return DistContext(
         rank, local_rank, world_size, chosen, restart_count, local_world_size, run_id
     )
+
+
+# Where a rank's flight recorder dump goes: this prefix + its rank.
+TRACE_PREFIX = "nccl_trace_rank_"
+
+
+def flight_recorder_env(trace_dir: str) -> dict[str, str]:
+    """NCCL's flight recorder, for GPU jobs: the last collectives of each rank in a ring buffer,
+    dumped to trace_dir when a collective times out. On a timeout NCCL's watchdog ends the process
+    from a thread of its own (TORCH_NCCL_ASYNC_ERROR_HANDLING=3, torch's default): no Python
+    except runs and no exit note is written, so the dump is what is left to tell the timeout apart
+    from a SIGKILL (previous_attempt_report looks for it). Read a dump with
+    `python -m torch.distributed.flight_recorder.fr_trace`."""
+    return {
+        "TORCH_FR_BUFFER_SIZE": "2000",  # entries; a few hundred bytes each
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": os.path.join(os.path.abspath(trace_dir or "."), TRACE_PREFIX),
+    }
 
 
 def _launcher_env() -> tuple[int, int, int, int, int, str]:
@@ -198,12 +220,21 @@ def previous_attempt_report(ctx: DistContext) -> str:
         }
     except Exception:  # noqa: BLE001 - a report, never a reason to fail
         return ""
-    silent = [r for r in range(world) if r not in notes]
-    parts = [
-        f"rank {r} died without a word (killed: SIGKILL, OOM killer or a lost node)" for r in silent
-    ]
+    parts = [silent_rank(r) for r in range(world) if r not in notes]
     parts += [f"rank {r}: {note}" for r, note in notes.items()]
     return f"previous attempt (world size {world}): " + "; ".join(parts)
+
+
+def silent_rank(rank: int) -> str:
+    """Why a rank may have left no exit note: killed outright, or (GPU jobs) ended by NCCL's
+    watchdog after a collective timed out, which leaves a flight recorder dump instead."""
+    trace_file = os.environ.get("TORCH_FR_DUMP_TEMP_FILE", "") + str(rank)
+    if os.environ.get("TORCH_FR_DUMP_TEMP_FILE") and os.path.isfile(trace_file):
+        return f"rank {rank}: a collective timed out (NCCL watchdog); its last ones: {trace_file}"
+    return (
+        f"rank {rank} died without a word (killed: SIGKILL, the OOM killer, a lost node; on GPUs "
+        "also NCCL's watchdog after a collective timeout, when no flight recorder dump was left)"
+    )
 
 
 def teardown_distributed() -> None:

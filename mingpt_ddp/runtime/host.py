@@ -11,25 +11,25 @@ import torch
 from mingpt_ddp.runtime.distributed import DistContext
 
 
-def set_cpu_threads(ctx: DistContext, requested: int = 0) -> int:
+def set_cpu_threads(ctx: DistContext, requested: int = 0, optimizer_on_cpu: bool = False) -> int:
     """Set how many threads this rank's CPU math (matmuls, elementwise ops) uses; returns it.
 
     Ranks on one node share its cores. torchrun sets OMP_NUM_THREADS=1 for every
     worker so that, say, 8 ranks x 8 threads do not fight over 8 cores; but on a
     32-core node with 4 ranks that leaves 28 cores idle. 0 means: an equal share of
-    the cores this process may run on. On GPU jobs the CPU only feeds the GPU, and
-    the setting is left alone.
+    the cores this process may run on. On GPU jobs the CPU only feeds the GPU and the
+    setting is left alone, unless the optimizer steps on the CPU (optimizer_on_cpu: FSDP
+    CPU offload, DeepSpeed's offload_optimizer): then it is that rank's whole update, and
+    torchrun's one thread would make it the slowest part of the step.
     """
     # A SLURM task (an sbatch or submitit job) is given SLURM_CPUS_PER_TASK cores even where SLURM
     # does not pin it to them: several one-process jobs on a node would otherwise each start a
     # thread per core, and spinning OpenMP threads that outnumber the cores make steps ~100x slower.
     slurm_cpus = int(os.environ.get("SLURM_CPUS_PER_TASK", "0") or 0)
-    if ctx.device.type != "cpu" or (
-        requested == 0 and ctx.local_world_size == 1 and not slurm_cpus
-    ):
-        return (
-            torch.get_num_threads()
-        )  # GPU job, or alone on the node: torch's own default is right
+    computes_on_cpu = ctx.device.type == "cpu" or optimizer_on_cpu
+    alone = requested == 0 and ctx.local_world_size == 1 and not slurm_cpus
+    if not computes_on_cpu or (alone and ctx.device.type == "cpu"):
+        return torch.get_num_threads()  # GPU job, or alone on the node: torch's default is right
     cores = (
         len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     )

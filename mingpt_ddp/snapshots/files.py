@@ -62,14 +62,22 @@ def copy_to_cpu(obj: Any) -> Any:
 
 
 ReadChecked = Callable[[str, "dict | None"], bytes]  # (name, its manifest fingerprint) -> its bytes
+# (name, its fingerprint) -> its path once checked, or None where the storage has no paths (S3)
+CheckedPath = Callable[[str, dict], "str | None"]
 
 
 def open_entry(
-    entry: dict, layout: FileLayout | None, read: ReadChecked, map_location
+    entry: dict,
+    layout: FileLayout | None,
+    read: ReadChecked,
+    map_location,
+    checked_path: CheckedPath = lambda name, expected: None,
 ) -> OpenSnapshot:
     """Read and check every file of one committed snapshot; its metadata is then known, its tensors
-    ready. A folder's files are staged in a local directory (DCP and DeepSpeed read a directory,
-    wherever the snapshot is stored), each checked against the manifest as it is copied."""
+    ready. A folder's files are gathered in a local directory laid out as its layout wants (DCP
+    and DeepSpeed read a directory), each checked against the manifest: on a filesystem as links
+    to the files where they are (every rank of a node resumes without a copy of its own), from
+    S3 as copies."""
     if layout is None:
         expected = entry if "sha256" in entry else None
         state = load_bytes(read(entry["file"], expected), map_location)
@@ -82,8 +90,12 @@ def open_entry(
     try:
         os.makedirs(files, exist_ok=True)
         for file, expected in entry["files"].items():
-            with open(os.path.join(files, file), "wb") as f:
-                f.write(read(f"{entry['file']}/{file}", expected))
+            name, target = f"{entry['file']}/{file}", os.path.join(files, file)
+            if path := checked_path(name, expected):
+                os.symlink(path, target)
+            else:
+                with open(target, "wb") as f:
+                    f.write(read(name, expected))
         meta = torch.load(os.path.join(files, META), map_location=map_location, weights_only=True)
         layout.check(files)
     except BaseException:

@@ -57,13 +57,22 @@ class SnapshotReader:
 
     def _read_checked(self, name: str, expected: dict | None) -> bytes:
         data = self.storage.read(name)
-        if expected and len(data) != expected["bytes"]:
-            raise SnapshotError(
-                f"{name}: size {len(data)} bytes, manifest says {expected['bytes']}"
-            )
-        if expected and hashlib.sha256(data).hexdigest() != expected["sha256"]:
-            raise SnapshotError(f"{name}: checksum mismatch")
+        if expected:
+            _check(name, len(data), hashlib.sha256(data), expected)
         return data
+
+    def _checked_path(self, name: str, expected: dict) -> str | None:
+        """The file's own path once its bytes match the manifest, where the storage is a
+        filesystem (None elsewhere: S3 objects are read and staged). Read in blocks, not kept."""
+        if not hasattr(self.storage, "local_path"):
+            return None
+        path, digest, size = self.storage.local_path(name), hashlib.sha256(), 0
+        with open(path, "rb") as f:
+            while block := f.read(1 << 24):
+                digest.update(block)
+                size += len(block)
+        _check(name, size, digest, expected)
+        return path
 
     def _open(self, entry: dict, map_location) -> OpenSnapshot:
         layout = self.layouts.get(entry["kind"]) if "kind" in entry else None
@@ -71,7 +80,7 @@ class SnapshotReader:
             raise SnapshotError(
                 f"written by a parallel mode this version does not know ({entry['kind']})"
             )
-        return open_entry(entry, layout, self._read_checked, map_location)
+        return open_entry(entry, layout, self._read_checked, map_location, self._checked_path)
 
     @contextlib.contextmanager
     def open_latest(
@@ -117,3 +126,11 @@ class SnapshotReader:
         with open(out_path, "wb") as f:
             f.write(serialize(state))
         return state
+
+
+def _check(name: str, size: int, digest, expected: dict) -> None:
+    """A stored file against its manifest entry: the size, then the sha256 of its bytes."""
+    if size != expected["bytes"]:
+        raise SnapshotError(f"{name}: size {size} bytes, manifest says {expected['bytes']}")
+    if digest.hexdigest() != expected["sha256"]:
+        raise SnapshotError(f"{name}: checksum mismatch")

@@ -96,6 +96,10 @@ class LocalStorage:
         with open(self._path(name), "rb") as f:
             return f.read()
 
+    def local_path(self, name: str) -> str:
+        """Where name is on this filesystem: a reader can check and use it in place, uncopied."""
+        return self._path(name)
+
     def read_versioned(self, name: str) -> tuple[bytes | None, str | None]:
         """The object and its version (a hash of its bytes), or (None, None) if it does not
         exist."""

@@ -1,0 +1,114 @@
+"""benchmarks/gpu_check.py, the acceptance run for a GPU machine: which rows it plans for a machine
+(in process, for 0, 1 and 4 GPUs), what its report holds, and (slow) a short CPU rehearsal."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import gpu_check  # noqa: E402
+
+
+def runnable(rows):
+    return [r for r in rows if not r.skip]
+
+
+def test_one_gpu_runs_every_distributed_row_under_torchrun_and_skips_nccl_multi_rank_rows():
+    rows = gpu_check.plan_rows("cuda", gpus=1, half="bf16")
+    for row in rows:
+        assert row.precision in ("fp32", "bf16", "fp16")  # set, never "auto"
+        assert row.launcher == "torchrun" or (row.ranks == 1 and "DDP" not in row.name)
+        if row.ranks > 1 and row.device != "cpu":
+            assert row.skip == "skipped: 1 GPU (NCCL needs a GPU per rank)", row
+    # The multi-rank logic still runs with one GPU: 2 ranks over gloo, on the host's CPU.
+    assert {r.name for r in runnable(rows) if r.ranks == 2} == {
+        "device=cpu on the GPU host: DDP x2 over gloo",
+        "device=cpu on the GPU host: FSDP x2 over gloo",
+    }
+    names = " | ".join(r.name for r in runnable(rows))
+    for wanted in ["fp16 + GradScaler", "FSDP fp16 + CPU offload", "ZeRO-2", "Muon",
+                   "DDP + compile", "4 micro-steps"]:  # fmt: skip
+        assert wanted in names
+
+
+def test_several_gpus_run_the_nccl_rows_resume_sigterm_and_restart_included():
+    rows = gpu_check.plan_rows("cuda", gpus=4, half="fp16")
+    assert not [r for r in rows if r.skip]
+    checks = {r.check for r in rows if r.ranks == 4}
+    assert checks == {"resume", "world_size", "sigterm", "restart"}
+    assert "one process fp16 autocast" in {r.name for r in rows}  # V100/T4: fp16, not bf16
+
+
+def test_the_cpu_rehearsal_runs_at_least_8_rows_and_says_why_the_others_cannot():
+    rows = gpu_check.plan_rows("cpu", gpus=0, half="bf16")
+    assert len(runnable(rows)) >= 8
+    assert [r.skip for r in rows if r.skip] == [
+        "skipped: needs a GPU (offload moves shards out of GPU memory)"
+    ]
+
+
+def test_the_report_names_every_hardware_field_null_where_it_does_not_apply():
+    hw = gpu_check.report_hardware("cpu")
+    for key in ("name", "capability", "arch_list", "driver"):
+        assert key in hw
+    assert hw["capability"] is None and hw["arch_list"] is None and hw["driver"] is None
+    assert hw["name"]
+
+
+def test_a_missing_corpus_is_one_line_naming_the_fix(tmp_path):
+    with pytest.raises(SystemExit, match=r"^error: no corpus at .*; pass --data FILE"):
+        gpu_check.find_corpus(str(tmp_path / "absent.txt"))
+
+
+@pytest.mark.slow
+def test_the_cpu_rehearsal_passes_its_rows_with_finite_losses_under_the_ceiling(
+    shakespeare, tmp_path
+):
+    script = [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--data", str(shakespeare)]
+    if not torch.cuda.is_available():  # what it does on a machine without a GPU: nothing, rc 0
+        idle = subprocess.run(script, capture_output=True, text=True, timeout=120)
+        assert idle.returncode == 0 and "no CUDA device visible: nothing checked" in idle.stdout
+    report = tmp_path / "gc.json"
+    only = "one process fp16,x2 FSDP + bf16,SIGTERM"
+    result = subprocess.run(
+        script + ["--device", "cpu", "--only", only, "--out", str(report)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    rows = json.loads(report.read_text())["rows"]
+    assert [r["name"] for r in rows] == [
+        "one process fp16 + GradScaler",
+        "torchrun x2 FSDP + bf16",
+        "torchrun x2 SIGTERM: saves its step, resumes",
+    ]
+    for row in rows:
+        assert row["ok"] and row["finite_loss"] and row["val_loss"] < 4.17 - 0.3, row
+    assert json.loads(report.read_text())["hardware"]["capability"] is None
+
+
+def test_benchmark_rows_set_their_precision_and_fp32_rows_are_fp32():
+    """bench.py's "single GPU fp32" row used to train under automatic AMP (bf16 on a GPU), and on
+    V100/T4 its "bf16" rows trained in fp16; compare.py's DDP and DDP + AMP rows were one run."""
+    import bench
+    import compare
+
+    for name, _, overrides in bench.CPU_MODES + bench.gpu_modes("fp16") + bench.SMOKE_MODES:
+        assert isinstance(overrides["use_amp"], bool), name  # never "auto"
+        half = "autocast" in name or "16 +" in name
+        assert (bench.precision_of(overrides) == "fp32") == (not half), name
+    assert [bench.precision_of(m[2]) for m in bench.gpu_modes("fp16")] == ["fp32", "fp16", "fp16"]
+    assert [m[0] for m in bench.gpu_modes("fp16")][1:] == [
+        "single GPU fp16 autocast",
+        "single GPU fp16 + compile",
+    ]
+    rows = {row[2]: row[4] for row in compare.ROWS}
+    assert compare.fp32_unless_amp(rows["DDP"]) == ["trainer_config.use_amp=false"]
+    assert compare.fp32_unless_amp(rows["DDP + bf16 autocast"]) == []
