@@ -305,6 +305,7 @@ def report_hardware(device: str) -> dict:
     """What the report says of the machine; every key present, null where it does not apply."""
     info = {**hardware(), "name": None, "capability": None, "arch_list": None, "driver": None}
     info |= {"cuda": torch.version.cuda, "nccl": None, "bf16_units": None, "memory_gib": None}
+    info["built_for_this_gpu"] = None
     if device == "cuda" and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         info |= {
@@ -315,6 +316,10 @@ def report_hardware(device: str) -> dict:
             "bf16_units": torch.cuda.is_bf16_supported(including_emulation=False),
             "memory_gib": round(props.total_memory / 2**30, 1),
         }
+        # A CUDA build compiles kernels for a list of architectures; a GPU outside it (sm_70 in
+        # a build without it) fails at the first kernel, or runs slower PTX.
+        sm = f"sm_{props.major}{props.minor}"
+        info["built_for_this_gpu"] = sm in info["arch_list"]
         if shutil.which("nvidia-smi"):
             smi = subprocess.run(
                 ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
@@ -361,6 +366,11 @@ def main() -> int:
         return 0
     hw = report_hardware(args.device)
     print("hardware | " + " | ".join(f"{k} {v}" for k, v in hw.items() if v is not None))
+    if hw["built_for_this_gpu"] is False:
+        print(
+            f"warning | torch was built for {hw['arch_list']}, not compute capability "
+            f"{hw['capability']}: install a build that lists it"
+        )
     half = "bf16" if args.device == "cpu" or hw["bf16_units"] else "fp16"
     work = tempfile.mkdtemp(prefix="gpu-check-")
     c = Check(args.device, find_corpus(args.data), work, args.only)

@@ -112,3 +112,23 @@ def test_benchmark_rows_set_their_precision_and_fp32_rows_are_fp32():
     rows = {row[2]: row[4] for row in compare.ROWS}
     assert compare.fp32_unless_amp(rows["DDP"]) == ["trainer_config.use_amp=false"]
     assert compare.fp32_unless_amp(rows["DDP + bf16 autocast"]) == []
+
+
+def test_the_report_of_a_v100_under_a_build_without_sm_70(monkeypatch):
+    """A V100 as torch describes it (injected): capability 7.0, bf16 only emulated, and a torch
+    build whose arch list lacks sm_70."""
+    from types import SimpleNamespace
+
+    v100 = SimpleNamespace(name="Tesla V100-SXM2-16GB", major=7, minor=0, total_memory=16 * 2**30)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: v100.name)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: v100)
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_80", "sm_90"])
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 3))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    monkeypatch.setattr(gpu_check.shutil, "which", lambda name: None)
+    hw = gpu_check.report_hardware("cuda")
+    assert (hw["name"], hw["capability"], hw["arch_list"]) == (v100.name, "7.0", ["sm_80", "sm_90"])
+    assert hw["built_for_this_gpu"] is False and hw["bf16_units"] is False
+    assert hw["driver"] is None  # no nvidia-smi: null, not missing
