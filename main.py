@@ -59,6 +59,7 @@ from mingpt_ddp.runtime.distributed import (
     teardown_distributed,
 )
 from mingpt_ddp.runtime.host import keep_freed_cpu_memory, set_cpu_threads
+from mingpt_ddp.runtime.signals import stop_when_the_launcher_dies
 from mingpt_ddp.snapshots.lease import LeaseError
 from mingpt_ddp.snapshots.store import SnapshotError, SnapshotStore
 from model import GPT
@@ -148,6 +149,8 @@ def run(job) -> Outcome:
     tcfg, ctx, store = job.trainer_config, None, None
     try:
         ctx = setup_distributed(tcfg.collective_timeout_s, tcfg.device, tcfg.run_dir)
+        if ctx.distributed:  # a SIGKILLed torchrun's workers save and stop, not train on orphaned
+            stop_when_the_launcher_dies()
         announce_job(ctx, tcfg, job.deepspeed_config)
         store = SnapshotStore(tcfg.snapshot_url, tcfg.keep_last, tcfg.s3_endpoint_url)
         trainer = build_trainer(job, ctx, store)

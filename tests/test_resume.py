@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 
 import pytest
 import torch
@@ -32,6 +33,15 @@ FAULTY = REPO / "tests" / "faulty_main.py"  # main.py with faults injected (FAUL
 
 def start_job(args, nproc=2, script=MAIN, env=None) -> subprocess.Popen:
     return start_main(args, nproc=nproc, env=env, script=script)
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie, exited but not yet reaped by its new parent, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def final_weights(run_dir):
@@ -108,6 +118,31 @@ def test_a_stop_signal_sent_to_every_process_of_the_job_still_saves_the_step(sha
     assert "preempted | SIGTERM received | saving step" in log, log[-3000:]
     stopped_at = int(log.split("preempted | SIGTERM received | saving step ")[1].split(";")[0])
     assert SnapshotStore(str(tmp_path / "snapshots")).load_latest()["step"] == stopped_at
+
+
+def test_a_sigkilled_torchrun_agent_takes_its_workers_down_with_a_snapshot(shakespeare, tmp_path):
+    """`kill -9` of torchrun (or the OOM killer taking it): the workers must not train on as
+    orphans. Linux signals each when its parent dies; they save the step and exit, and the same
+    command resumes from it."""
+    args = tiny_overrides(shakespeare, tmp_path, max_steps=100000, save_every=100000, log_every=20)
+    job = start_job(args)
+    lines = wait_for_line(job, "| loss ")
+    workers = descendants(job.pid)
+    assert len(workers) >= 2
+    os.kill(job.pid, signal.SIGKILL)  # the agent alone
+    job.wait(timeout=10)
+    deadline = time.monotonic() + 60
+    while [p for p in workers if alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.2)  # polling a condition, bounded: orphans would never end
+    assert not [p for p in workers if alive(p)], "the workers train on without their agent"
+    log = "".join(lines) + job.stdout.read()  # every writer of the pipe has exited
+    assert "preempted | SIGTERM received | saving step" in log, log[-3000:]
+    stopped_at = int(log.split("preempted | SIGTERM received | saving step ")[1].split(";")[0])
+    assert SnapshotStore(str(tmp_path / "snapshots")).load_latest()["step"] == stopped_at
+    again = tiny_overrides(shakespeare, tmp_path, max_steps=stopped_at + 5, log_every=20)
+    resumed = run_main(again, nproc=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resume | step {stopped_at} |" in resumed.stdout
 
 
 def test_a_second_ctrl_c_a_moment_later_stops_at_once_and_keeps_the_last_snapshot(

@@ -74,3 +74,29 @@ class StopSignals:
         timer = threading.Timer(self.give_up_after_s, os._exit, args=(128 + signum,))
         timer.daemon = True
         timer.start()
+
+
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies
+
+
+def stop_when_the_launcher_dies(sig: int = signal.SIGTERM) -> bool:
+    """Ask Linux to send sig to this rank when the process that started it dies: a torchrun agent
+    SIGKILLed (`kill -9`, the OOM killer) would otherwise leave its workers training on as orphans,
+    and a rerun would find the path's lease held and the job "done" behind its back. With
+    SIGTERM, the ranks stop as on any stop request: the step ends, the vote is taken on the gloo
+    group that is already connected, the snapshot is written, they exit. (Nothing may need the
+    agent's key-value store then: it died with the agent.) Returns whether it was set (Linux)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return False
+    parent = os.getppid()
+    if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        return False
+    # The parent may have died between our start and prctl: then no signal will come. Our parent
+    # pid changed (to init or a subreaper) exactly in that case.
+    if os.getppid() != parent or parent == 1:
+        os.kill(os.getpid(), sig)
+    return True
