@@ -48,11 +48,11 @@ ROWS = [
     (
         "DataParallel",
         2.03,
-        "star all-reduce via rank 0 (DataParallel's pattern)",
+        "star all-reduce via rank 0 (in DataParallel's row; not how it works)",
         "torchrun",
         ["parallel=ddp-star"],
     ),
-    ("DDP, torchrun", 1.41, "DDP", "torchrun", ["parallel=ddp"]),
+    ("DDP, torch.distributed.launch", 1.41, "DDP", "torchrun", ["parallel=ddp"]),
     ("DDP, mp.spawn", 1.49, "DDP, tutorials/spawn_launch.py", "spawn", ["parallel=ddp"]),
     (
         "DDP + AMP",

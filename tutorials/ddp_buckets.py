@@ -2,10 +2,12 @@
 
     torchrun --standalone --nproc_per_node=2 tutorials/ddp_buckets.py [buckets.json]
 
-DDP neither all-reduces the GPT's 52 gradients one by one nor all at once after backward
-(no overlap): it copies them into flat buckets and hands a bucket to all-reduce once all
-its gradients are ready. A communication hook sees each bucket then; this one records it
-and averages it over ranks, as DDP does by default. Each table is one backward pass of the
+After its first iteration DDP neither all-reduces the GPT's 52 gradients one by one nor all at
+once after backward (no overlap): it copies them into flat buckets and hands a bucket to
+all-reduce once all its gradients are ready. (The first backward is the exception the first
+table shows: DDP does not know the gradients' order yet, so all 52 go in one bucket at the
+end.) A communication hook sees each bucket then; this one records it and averages it over
+ranks, as DDP does by default. Each table is one backward pass of the
 default GPT on random tokens; "full at" / "sent at" count the gradients ready when the
 bucket's last one arrived / when DDP launched it. The closing sentences are computed from
 the tables; torch/nn/parallel/distributed.py (torch 2.13) says why. The optional argument

@@ -5,10 +5,10 @@
 
 A launcher's whole job is to start N copies of the training code and tell each one
 who it is. torchrun does that with environment variables (RANK, LOCAL_RANK,
-WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), and restarts the copies
-when one fails. mp.spawn starts N processes on this machine and passes each its
-index as the first argument; here each child turns that index into the same
-variables and calls main.run(), so main.py cannot tell the difference.
+WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), and, given --max-restarts
+(0 by default), restarts them all when one fails. mp.spawn starts N processes on this
+machine and passes each its index as the first argument; here each child turns that
+index into the same variables and calls main.run(), so main.py cannot tell the difference.
 What you give up compared with torchrun: restarts (--max-restarts), elastic
 membership, and multi-node rendezvous. What you get: the processes share a parent,
 which can collect their results.

@@ -132,10 +132,10 @@ TRACE_PREFIX = "nccl_trace_rank_"
 def flight_recorder_env(trace_dir: str) -> dict[str, str]:
     """NCCL's flight recorder, for GPU jobs: the last collectives of each rank in a ring buffer,
     dumped to trace_dir when a collective times out. On a timeout NCCL's watchdog ends the process
-    from a thread of its own (TORCH_NCCL_ASYNC_ERROR_HANDLING=3, torch's default): no Python
-    except runs and no exit note is written, so the dump is what is left to tell the timeout apart
-    from a SIGKILL (previous_attempt_report looks for it). Read a dump with
-    `python -m torch.distributed.flight_recorder.fr_trace`."""
+    from a thread of its own (TORCH_NCCL_ASYNC_ERROR_HANDLING, which torchrun sets to 1 for its
+    workers: abort the communicators, end the process): no Python except runs, no exit note, so
+    the dump is what is left to tell the timeout apart from a SIGKILL (silent_rank looks for it).
+    Read a dump with `python -m torch.distributed.flight_recorder.fr_trace`."""
     return {
         "TORCH_FR_BUFFER_SIZE": "2000",  # entries; a few hundred bytes each
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
