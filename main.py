@@ -181,7 +181,7 @@ def build_trainer(job, ctx: DistContext, store: SnapshotStore) -> Trainer:
     """Data, model and Trainer; the snapshot path checked and taken; the newest snapshot loaded."""
     data_cfg, gpt_cfg, tcfg = job.data_config, job.gpt_config, job.trainer_config
     on_all_ranks(lambda: fetch_default_corpus(data_cfg, ctx))
-    dataset = load_dataset(data_cfg, tcfg)
+    dataset = load_dataset(data_cfg, tcfg, ctx)
     gpt_cfg.vocab_size, gpt_cfg.block_size = dataset.vocab_size, data_cfg.block_size
     torch.manual_seed(
         tcfg.seed
@@ -230,10 +230,13 @@ def announce_job(ctx: DistContext, tcfg, ds_cfg) -> None:
         )
 
 
-def load_dataset(data_cfg: DataConfig, tcfg) -> CharDataset:
-    """Every rank opens the prepared token file; the first to need it prepares it while the others
-    on its node (or on a shared cache_dir) wait on a file lock (mingpt_ddp/corpus/prepare.py)."""
-    dataset = on_all_ranks(lambda: CharDataset(data_cfg, tcfg.s3_endpoint_url, log=print0))
+def load_dataset(data_cfg: DataConfig, tcfg, ctx: DistContext) -> CharDataset:
+    """Every rank opens the prepared token file. Local rank 0 goes first and, the first time,
+    prepares it while its node's other ranks wait; then they open what it prepared. (Nodes that
+    share a cache_dir are kept apart by a file lock: mingpt_ddp/corpus/prepare.py.)"""
+    open_it = lambda: CharDataset(data_cfg, tcfg.s3_endpoint_url, log=print0)  # noqa: E731
+    first = on_all_ranks(open_it if ctx.local_rank == 0 else lambda: None)
+    dataset = on_all_ranks(lambda: first if first is not None else open_it())
     print0(
         f"data | {data_cfg.path} | {dataset.num_tokens:,} characters | "
         f"vocabulary {dataset.vocab_size} | {len(dataset.train):,} train / "

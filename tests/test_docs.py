@@ -198,6 +198,28 @@ def test_syntax_only_commands_parse_and_name_real_config_keys():
     assert checked >= 4
 
 
+SAMPLE = re.compile(r"```\n(job \| .*?)```", re.S)  # the README's "what you will see" block
+
+
+def signature(line: str) -> tuple[str, ...]:
+    """What a log line says, without its values: the first word of each ' | ' field, numbers as #,
+    paths as PATH, the precision as PRECISION (it differs by machine)."""
+    line = re.sub(r"'[^']*'|\"[^\"]*\"", "TEXT", line)  # the text sample
+    words = [field.split()[0] if field.split() else "" for field in line.split(" | ")]
+    words = ["PATH" if "/" in w and not w.endswith("/s") else w for w in words]
+    words = ["PRECISION" if w in ("fp32", "bf16", "fp16") else w for w in words]
+    return tuple(re.sub(r"\d[\d.,]*", "#", w) for w in words)
+
+
+def sample_output_differences(readme: Path, output: str) -> set:
+    """The line shapes the README's sample output shows and a real run did not print, and the
+    other way round."""
+    shown = {signature(line) for line in SAMPLE.search(readme.read_text())[1].splitlines()}
+    shown.discard(("...",))
+    printed = {signature(line) for line in output.splitlines() if " | " in line}
+    return shown ^ printed
+
+
 @pytest.mark.slow
 def test_runnable_readme_commands_run_in_order(shakespeare, tmp_path):
     (tmp_path / "my_novel.txt").write_text(shakespeare.read_text()[:200_000])  # "your own text"
@@ -214,6 +236,9 @@ def test_runnable_readme_commands_run_in_order(shakespeare, tmp_path):
             assert result.returncode == 0, (
                 f"{' '.join(words)}\n{result.stdout[-1500:]}\n{result.stderr[-3000:]}"
             )
+            if ran == 1:  # the quick start's training run: what the README says it prints
+                for readme in READMES:
+                    assert not sample_output_differences(readme, result.stdout), readme.name
             ran += 1
     assert ran >= 15
     assert (tmp_path / "loss.png").is_file() and (tmp_path / "demo.pt").is_file()
