@@ -15,8 +15,10 @@ import threading
 import time
 from collections.abc import Callable
 
-# A repeat of a stop signal within this many seconds is the same request delivered twice (by SLURM
-# and torchrun, or to the whole process group); a later one, like a second Ctrl-C, stops at once.
+# A Ctrl-C within this many seconds of the first is the same request delivered twice (to the whole
+# process group, and forwarded by torchrun); a later one, the user insisting, stops at once.
+# SIGTERM never insists: SLURM, torchrun and the launcher's death (stop_when_the_launcher_dies)
+# can each deliver it, seconds apart, and whoever wants the rank gone at once sends SIGKILL.
 DUPLICATE_SIGNAL_WINDOW_S = 1.0
 
 
@@ -60,10 +62,11 @@ class StopSignals:
 
     def _request_stop(self, signum: int, frame) -> None:
         if self.received is not None:
-            # One request often arrives twice: SLURM signals every process of the job step and
-            # torchrun forwards the same signal to its workers; Ctrl-C reaches the whole process
-            # group. Only a signal well after the first (a second Ctrl-C) means "stop right now".
-            if time.monotonic() - self._at < DUPLICATE_SIGNAL_WINDOW_S:
+            # One request often arrives more than once: SLURM signals every process of the job
+            # step, torchrun forwards the same signal, Ctrl-C reaches the whole process group.
+            # Only a second Ctrl-C well after the first means "stop right now".
+            late = time.monotonic() - self._at >= DUPLICATE_SIGNAL_WINDOW_S
+            if signum != signal.SIGINT or not late:
                 return
             signal.signal(signum, signal.SIG_DFL)
             raise KeyboardInterrupt
