@@ -241,3 +241,27 @@ def test_the_gradient_norm_is_read_on_log_steps_only():
         if isinstance(node, ast.Attribute) and node.attr == "grad_norm"
     }
     assert callers == {"_log"}
+
+
+def test_from_object_storage_a_node_downloads_a_folder_snapshot_once_for_all_its_ranks(tmp_path):
+    """Where files cannot be read in place (S3), the ranks of a node share one download: the
+    first fills the folder, the others reuse it, the last to close removes it."""
+    entry, layout = folder_snapshot(tmp_path / "store")
+    reader = SnapshotReader(str(tmp_path / "store"), layouts={"test": layout})
+    reads = []
+
+    def read(name, expected):  # what an S3 reader does: fetch the bytes, check them
+        reads.append(name)
+        return reader._read_checked(name, expected)
+
+    ranks = [open_entry(entry, layout, read, "cpu") for _ in range(3)]  # three ranks of a node
+    assert len(reads) == len(entry["files"])  # one download, not three
+    assert len({r.directory for r in ranks}) == 1
+    folder = ranks[0].directory
+    assert not os.path.islink(os.path.join(folder, "tag", "shard_0.pt"))  # a real copy
+    assert all(torch.equal(r.tensors()["w"], torch.arange(4.0)) for r in ranks)
+    for r in ranks[:2]:
+        r.close()
+    assert os.path.isdir(folder)  # the third rank still reads it
+    ranks[2].close()
+    assert not os.path.exists(folder)

@@ -58,6 +58,24 @@ def test_training_run_saves_to_s3_and_resumes_from_it_finding_the_endpoint_in_th
     assert any(key.startswith("run/snapshot_00000015.") for key in keys(s3, bucket))
 
 
+def test_an_fsdp_snapshot_on_s3_resumes_at_another_world_size(s3, bucket, shakespeare, tmp_path):
+    """DCP shards on S3: downloaded into a folder the ranks of a node share (snapshots/stage.py),
+    resumed by 2 ranks, then resharded to 1."""
+    args = tiny_overrides(shakespeare, tmp_path, save_every=5) + [
+        f"trainer_config.snapshot_path=s3://{bucket}/run",
+        f"trainer_config.s3_endpoint_url={s3.url}",
+        "trainer_config.parallel=fsdp",
+    ]
+    first = run_main(args + ["trainer_config.max_steps=5"], nproc=2, env=CREDENTIALS)
+    assert first.returncode == 0, first.stderr[-3000:]
+    both = run_main(args + ["trainer_config.max_steps=8"], nproc=2, env=CREDENTIALS)  # one folder
+    assert both.returncode == 0, both.stderr[-3000:]
+    assert "resume | step 5" in both.stdout
+    alone = run_main(args + ["trainer_config.max_steps=10"], nproc=1, env=CREDENTIALS)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert "resume | step 8" in alone.stdout
+
+
 def _startup_error(args, env) -> str:
     result = run_main(args, env=env, timeout=120)
     assert result.returncode == 1

@@ -12,7 +12,9 @@ parallel, and DCP reshards on load, so a snapshot resumes at any world size and 
 
 from __future__ import annotations
 
+import os
 import re
+import tempfile
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -37,10 +39,12 @@ from mingpt_ddp.snapshots.layout import FileLayout
 
 
 def _full_tensors(folder: str) -> dict:
-    """The shards put back together on the CPU, without a process group (DCP's own converter)."""
-    full = f"{folder}/full.pt"
-    dcp_to_torch_save(folder, full)
-    return torch.load(full, map_location="cpu", weights_only=True)
+    """The shards put back together on the CPU, without a process group (DCP's own converter).
+    The whole file goes to a folder of this process's: the staged one may be a node's, shared."""
+    with tempfile.TemporaryDirectory(prefix="dcp-full-") as scratch:
+        full = os.path.join(scratch, "full.pt")
+        dcp_to_torch_save(folder, full)
+        return torch.load(full, map_location="cpu", weights_only=True)
 
 
 def _load_into(folder: str, state: dict) -> dict:

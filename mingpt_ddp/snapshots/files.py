@@ -8,11 +8,10 @@ its writer declared: mingpt_ddp/snapshots/layout.py).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +19,7 @@ import torch
 
 from mingpt_ddp.errors import SnapshotError
 from mingpt_ddp.snapshots.layout import META, FileLayout
+from mingpt_ddp.snapshots.stage import NodeStage, own_stage
 
 
 def serialize(obj: Any) -> memoryview:
@@ -62,8 +62,7 @@ def copy_to_cpu(obj: Any) -> Any:
 
 
 ReadChecked = Callable[[str, "dict | None"], bytes]  # (name, its manifest fingerprint) -> its bytes
-# (name, its fingerprint) -> its path once checked, or None where the storage has no paths (S3)
-CheckedPath = Callable[[str, dict], "str | None"]
+CheckedPath = Callable[[str, dict], str]  # (name, its fingerprint) -> its path, once checked
 
 
 def open_entry(
@@ -71,13 +70,13 @@ def open_entry(
     layout: FileLayout | None,
     read: ReadChecked,
     map_location,
-    checked_path: CheckedPath = lambda name, expected: None,
+    checked_path: CheckedPath | None = None,
 ) -> OpenSnapshot:
     """Read and check every file of one committed snapshot; its metadata is then known, its tensors
     ready. A folder's files are gathered in a local directory laid out as its layout wants (DCP
-    and DeepSpeed read a directory), each checked against the manifest: on a filesystem as links
-    to the files where they are (every rank of a node resumes without a copy of its own), from
-    S3 as copies."""
+    and DeepSpeed read a directory), each checked against the manifest: where the storage is a
+    filesystem (checked_path given), as links to the files where they are; from object storage,
+    downloaded once per node into a folder its ranks share (mingpt_ddp/snapshots/stage.py)."""
     if layout is None:
         expected = entry if "sha256" in entry else None
         state = load_bytes(read(entry["file"], expected), map_location)
@@ -85,23 +84,34 @@ def open_entry(
             raise SnapshotError("not a snapshot of this project")
         tensors = {k: state.pop(k) for k in ("model", "optimizer") if k in state}
         return OpenSnapshot(entry, state, tensors=tensors)
-    stage = tempfile.mkdtemp(prefix=f"{layout.kind}-load-")
-    files = os.path.join(stage, layout.subdir)
+
+    fill = functools.partial(_gather, entry=entry, layout=layout, read=read, path=checked_path)
+    if checked_path is not None:
+        stage, release = own_stage(layout.kind, fill)
+    else:
+        stage, release = NodeStage(entry).open(fill)
     try:
-        os.makedirs(files, exist_ok=True)
-        for file, expected in entry["files"].items():
-            name, target = f"{entry['file']}/{file}", os.path.join(files, file)
-            if path := checked_path(name, expected):
-                os.symlink(path, target)
-            else:
-                with open(target, "wb") as f:
-                    f.write(read(name, expected))
-        meta = torch.load(os.path.join(files, META), map_location=map_location, weights_only=True)
-        layout.check(files)
+        meta_file = os.path.join(stage, layout.subdir, META)
+        meta = torch.load(meta_file, map_location=map_location, weights_only=True)
     except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
+        release()
         raise
-    return OpenSnapshot(entry, meta, layout=layout, stage=stage)
+    return OpenSnapshot(entry, meta, layout=layout, stage=stage, release=release)
+
+
+def _gather(folder: str, entry: dict, layout: FileLayout, read, path) -> None:
+    """Every file of the snapshot, checked, where its layout's reader expects it under folder: a
+    link to the checked file where it is (path given), else a copy of the bytes read."""
+    files = os.path.join(folder, layout.subdir)
+    os.makedirs(files, exist_ok=True)
+    for file, expected in entry["files"].items():
+        name, target = f"{entry['file']}/{file}", os.path.join(files, file)
+        if path is not None:
+            os.symlink(path(name, expected), target)
+        else:
+            with open(target, "wb") as f:
+                f.write(read(name, expected))
+    layout.check(files)
 
 
 class OpenSnapshot:
@@ -114,10 +124,12 @@ class OpenSnapshot:
         tensors: dict | None = None,
         layout: FileLayout | None = None,
         stage: str | None = None,
+        release: Callable[[], None] = lambda: None,
     ):
         self.entry, self.meta, self._tensors, self.layout = entry, meta, tensors, layout
         self.kind = entry.get("kind", "single")  # single, or the FileLayout's kind
         self.directory = stage  # where a multi-file snapshot's checked files are staged
+        self._release = release  # gives the staged folder back (removed by its last user)
 
     @property
     def reshardable(self) -> bool:
@@ -135,5 +147,4 @@ class OpenSnapshot:
         return self.layout.full_tensors(self.directory)
 
     def close(self) -> None:
-        if self.directory is not None:
-            shutil.rmtree(self.directory, ignore_errors=True)
+        self._release()

@@ -61,11 +61,9 @@ class SnapshotReader:
             _check(name, len(data), hashlib.sha256(data), expected)
         return data
 
-    def _checked_path(self, name: str, expected: dict) -> str | None:
-        """The file's own path once its bytes match the manifest, where the storage is a
-        filesystem (None elsewhere: S3 objects are read and staged). Read in blocks, not kept."""
-        if not hasattr(self.storage, "local_path"):
-            return None
+    def _checked_path(self, name: str, expected: dict) -> str:
+        """The file's own path (a filesystem storage's) once its bytes match the manifest; read
+        in blocks, not kept."""
         path, digest, size = self.storage.local_path(name), hashlib.sha256(), 0
         with open(path, "rb") as f:
             while block := f.read(1 << 24):
@@ -80,7 +78,9 @@ class SnapshotReader:
             raise SnapshotError(
                 f"written by a parallel mode this version does not know ({entry['kind']})"
             )
-        return open_entry(entry, layout, self._read_checked, map_location, self._checked_path)
+        local = hasattr(self.storage, "local_path")  # a filesystem: files are read in place
+        checked_path = self._checked_path if local else None
+        return open_entry(entry, layout, self._read_checked, map_location, checked_path)
 
     @contextlib.contextmanager
     def open_latest(
