@@ -92,11 +92,11 @@ def stop_when_the_launcher_dies(sig: int = signal.SIGTERM) -> bool:
     try:
         import ctypes
 
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux (macOS has no prctl): nothing to ask for
         return False
     parent = os.getppid()
-    if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+    if prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
         return False
     # The parent may have died between our start and prctl: then no signal will come. Our parent
     # pid changed (to init or a subreaper) exactly in that case.
