@@ -149,7 +149,7 @@ def run(job) -> Outcome:
     tcfg, ctx, store = job.trainer_config, None, None
     try:
         ctx = setup_distributed(tcfg.collective_timeout_s, tcfg.device, tcfg.run_dir)
-        if ctx.distributed:  # a SIGKILLed torchrun's workers save and stop, not train on orphaned
+        if ctx.distributed:  # a SIGKILLed torchrun's workers save and stop, not train on alone
             stop_when_the_launcher_dies()
         announce_job(ctx, tcfg, job.deepspeed_config)
         store = SnapshotStore(tcfg.snapshot_url, tcfg.keep_last, tcfg.s3_endpoint_url)
