@@ -289,7 +289,7 @@ def main() -> int:
             "and the snapshot needs a window of its own"
         )
     hw = hardware()
-    size = 512 if args.smoke else 4096 if torch.cuda.is_available() else 2048
+    size = 512 if args.smoke else 4096 if gpu else 2048
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     needed = {"fp32", "bf16"} | {precision_of(m[2]) for m in modes}
     peaks = {p: args.peak_gflops or peak_gflops(dtypes[p], size) for p in sorted(needed)}

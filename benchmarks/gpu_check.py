@@ -50,6 +50,7 @@ GPU_MODEL = [  # a small model that still gives a GPU some work
 LEARN = ["optimizer_config.learning_rate=1e-2", "optimizer_config.warmup_steps=5"]
 DDP, FSDP = "trainer_config.parallel=ddp", "trainer_config.parallel=fsdp"
 COMPILE = "trainer_config.compile=true"
+OFFLOAD, VIA_RANK0 = "trainer_config.fsdp_cpu_offload=true", "trainer_config.grad_reduce=via_rank0"
 PRECISION = {
     "fp32": ["trainer_config.use_amp=false"],
     "bf16": ["trainer_config.use_amp=true", "trainer_config.amp_dtype=bf16"],
@@ -126,9 +127,6 @@ def plan_rows(device: str, gpus: int, half: str) -> list[Row]:
             Row("device=cpu on the GPU host: FSDP x2 over gloo", "fp32", (FSDP,), **cpu),
         ]
     return rows
-
-
-OFFLOAD, VIA_RANK0 = "trainer_config.fsdp_cpu_offload=true", "trainer_config.grad_reduce=via_rank0"
 
 
 class Check:
@@ -213,19 +211,18 @@ class Check:
         )
         return result.stdout
 
-    def check_resume(self, row: Row, run_dir: str) -> None:
-        """Train, snapshot, then resume from that snapshot to half as many steps again."""
+    def check_resume(self, row: Row, run_dir: str, resume_ranks: int = 0) -> None:
+        """Train, snapshot, then resume from that snapshot (at resume_ranks ranks; 0: the same)
+        to half as many steps again."""
         args, n = self.args(row, run_dir), self.steps
         self.ok(self.run(self.command(row, args + [f"trainer_config.max_steps={n}"], row.ranks)))
         more = args + [f"trainer_config.max_steps={n * 3 // 2}"]
-        self.ok(self.run(self.command(row, more, row.ranks)), f"resume | step {n} |")
+        ranks = resume_ranks or row.ranks
+        self.ok(self.run(self.command(row, more, ranks)), f"resume | step {n} |")
 
     def check_world_size(self, row: Row, run_dir: str) -> None:
         """Train at row.ranks, then resume the sharded snapshot in one rank (DCP reshards)."""
-        args, n = self.args(row, run_dir), self.steps
-        self.ok(self.run(self.command(row, args + [f"trainer_config.max_steps={n}"], row.ranks)))
-        more = args + [f"trainer_config.max_steps={n * 3 // 2}"]
-        self.ok(self.run(self.command(row, more, 1)), f"resume | step {n} |")
+        self.check_resume(row, run_dir, resume_ranks=1)
 
     def check_sigterm(self, row: Row, run_dir: str) -> None:
         """SIGTERM to torchrun mid-run: every rank finishes its step, it is saved, and a rerun

@@ -118,7 +118,8 @@ def setup_distributed(
     chosen = choose_device(device, gpus, local_rank, local_world_size)
     if chosen.type == "cuda":
         torch.cuda.set_device(chosen)  # one GPU per process, picked by its rank on this node
-        os.environ.update({**flight_recorder_env(trace_dir), **os.environ})  # the user's win
+        for key, value in flight_recorder_env(trace_dir).items():
+            os.environ.setdefault(key, value)  # a value the user set wins
     _join(chosen, rank, world_size, restart_count, timedelta(seconds=timeout_s))
     return DistContext(
         rank, local_rank, world_size, chosen, restart_count, local_world_size, run_id
@@ -228,8 +229,9 @@ def previous_attempt_report(ctx: DistContext) -> str:
 def silent_rank(rank: int) -> str:
     """Why a rank may have left no exit note: killed outright, or (GPU jobs) ended by NCCL's
     watchdog after a collective timed out, which leaves a flight recorder dump instead."""
-    trace_file = os.environ.get("TORCH_FR_DUMP_TEMP_FILE", "") + str(rank)
-    if os.environ.get("TORCH_FR_DUMP_TEMP_FILE") and os.path.isfile(trace_file):
+    prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE", "")
+    trace_file = prefix + str(rank)
+    if prefix and os.path.isfile(trace_file):
         return f"rank {rank}: a collective timed out (NCCL watchdog); its last ones: {trace_file}"
     return (
         f"rank {rank} died without a word (killed: SIGKILL, the OOM killer, a lost node; on GPUs "

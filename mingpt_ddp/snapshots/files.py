@@ -85,7 +85,9 @@ def open_entry(
         tensors = {k: state.pop(k) for k in ("model", "optimizer") if k in state}
         return OpenSnapshot(entry, state, tensors=tensors)
 
-    fill = functools.partial(_gather, entry=entry, layout=layout, read=read, path=checked_path)
+    fill = functools.partial(
+        _gather, entry=entry, layout=layout, read=read, checked_path=checked_path
+    )
     if checked_path is not None:
         stage, release = own_stage(layout.kind, fill)
     else:
@@ -99,15 +101,15 @@ def open_entry(
     return OpenSnapshot(entry, meta, layout=layout, stage=stage, release=release)
 
 
-def _gather(folder: str, entry: dict, layout: FileLayout, read, path) -> None:
+def _gather(folder: str, entry: dict, layout: FileLayout, read, checked_path) -> None:
     """Every file of the snapshot, checked, where its layout's reader expects it under folder: a
-    link to the checked file where it is (path given), else a copy of the bytes read."""
+    link to the checked file where it is (checked_path given), else a copy of the bytes read."""
     files = os.path.join(folder, layout.subdir)
     os.makedirs(files, exist_ok=True)
     for file, expected in entry["files"].items():
         name, target = f"{entry['file']}/{file}", os.path.join(files, file)
-        if path is not None:
-            os.symlink(path(name, expected), target)
+        if checked_path is not None:
+            os.symlink(checked_path(name, expected), target)
         else:
             with open(target, "wb") as f:
                 f.write(read(name, expected))

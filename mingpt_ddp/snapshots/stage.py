@@ -20,12 +20,17 @@ from collections.abc import Callable, Iterator
 def own_stage(kind: str, fill: Callable[[str], None]) -> tuple[str, Callable[[], None]]:
     """A folder of this rank's, filled by fill(folder); returns it and how to remove it."""
     folder = tempfile.mkdtemp(prefix=f"{kind}-load-")
+    _fill(folder, fill)
+    return folder, lambda: shutil.rmtree(folder, ignore_errors=True)
+
+
+def _fill(folder: str, fill: Callable[[str], None]) -> None:
+    """fill(folder), or, if it fails, no folder left half-filled."""
     try:
         fill(folder)
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
-    return folder, lambda: shutil.rmtree(folder, ignore_errors=True)
 
 
 class NodeStage:
@@ -68,11 +73,7 @@ class NodeStage:
             if users == 0:
                 shutil.rmtree(self.folder, ignore_errors=True)
                 os.makedirs(self.folder)
-                try:
-                    fill(self.folder)
-                except BaseException:
-                    shutil.rmtree(self.folder, ignore_errors=True)
-                    raise
+                _fill(self.folder, fill)
             self._set_users(users + 1)
         return self.folder, self._leave
 
