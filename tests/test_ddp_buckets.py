@@ -15,14 +15,14 @@ MiB = 1024 * 1024
 
 @pytest.fixture(scope="module")
 def tutorial(tmp_path_factory):
-    """One run of the tutorial on 2 ranks (about 10 s): its stdout and the buckets rank 0
-    recorded."""
+    """One run of the tutorial on 2 ranks (about 10 s): its stdout, the buckets rank 0
+    recorded, and its stderr."""
     record = tmp_path_factory.mktemp("buckets") / "buckets.json"
     result = run_command(
         main_command(2, [str(record)], script=REPO / "tutorials" / "ddp_buckets.py"), timeout=180
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout, json.loads(record.read_text())
+    return result.stdout, json.loads(record.read_text()), result.stderr
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def names(bucket_calls):
 def test_first_bucket_at_the_default_cap_holds_the_last_parameters_and_closes_at_1_mib(
     tutorial, sizes
 ):
-    _, record = tutorial
+    _, record, _ = tutorial
     params = list(sizes)
     assert record["params"] == params
     (only,) = calls(
@@ -68,7 +68,7 @@ def test_first_bucket_at_the_default_cap_holds_the_last_parameters_and_closes_at
 
 
 def test_a_smaller_cap_makes_more_buckets_and_each_closes_at_its_cap(tutorial, sizes):
-    out, record = tutorial
+    out, record, _ = tutorial
     default, small = calls(record, "default", 2), calls(record, "0.25", 2)
     assert len(small) > len(default) == 2
     for c in small[:-1]:
@@ -79,7 +79,7 @@ def test_a_smaller_cap_makes_more_buckets_and_each_closes_at_its_cap(tutorial, s
 
 
 def test_all_reduces_go_out_in_bucket_index_order_and_a_full_bucket_waits_for_a_lower_one(tutorial):
-    out, record = tutorial
+    out, record, _ = tutorial
     for run in record["runs"].values():
         for step in run:
             assert [c["index"] for c in step["calls"]] == list(range(len(step["calls"])))
@@ -95,7 +95,7 @@ def test_all_reduces_go_out_in_bucket_index_order_and_a_full_bucket_waits_for_a_
 
 
 def test_every_parameter_is_in_exactly_one_bucket_and_the_tied_weight_once(tutorial, sizes):
-    _, record = tutorial
+    _, record, _ = tutorial
     for run in record["runs"].values():
         for step in run:
             counts = Counter(names(step["calls"]))
@@ -107,7 +107,7 @@ def test_every_parameter_is_in_exactly_one_bucket_and_the_tied_weight_once(tutor
 def test_rebuild_uses_the_ready_order_and_find_unused_keeps_the_reversed_construction_order(
     tutorial, sizes
 ):
-    _, record = tutorial
+    _, record, _ = tutorial
     first_ready = record["runs"]["default"][0]["ready"]
     assert names(calls(record, "default", 2)) == first_ready != list(sizes)
     construction = calls(record, "find_unused", 1)
@@ -121,7 +121,7 @@ def test_rebuild_uses_the_ready_order_and_find_unused_keeps_the_reversed_constru
 
 
 def test_conclusions_are_printed_once_as_sentences(tutorial):
-    out, _ = tutorial
+    out, _, _ = tutorial
     assert out.count("== bucket_cap_mb=None (the default), iteration 2") == 1  # rank 0 prints
     conclusions = out[out.index("parameter tensors") :]
     assert "False" not in conclusions
@@ -136,3 +136,37 @@ def test_conclusions_are_printed_once_as_sentences(tutorial):
     assert re.search(
         r"At the default cap: 2 buckets, 1 sent while backward was still running, with 32%", out
     )
+
+
+def test_a_legend_explains_every_column_and_every_notice_on_stderr_before_the_first_table(
+    tutorial,
+):
+    out, _, err = tutorial
+    legend = out[: out.index("\n== ")]
+    for column in (
+        "call",
+        "bucket",
+        "KiB",
+        "params",
+        "full at k/N",
+        "sent at k/N",
+        "first .. last",
+    ):
+        assert re.search(rf"^  {re.escape(column)} {{2,}}\w", legend, re.M), column
+    assert legend.startswith("On stderr, above") and "first .. last" in out[len(legend) :]
+    # stderr holds DDP's C++ warning, once per rank (though two runs meet its condition), and
+    # torchrun's OMP_NUM_THREADS notice when the variable is unset; nothing else. The legend
+    # names both.
+    unused = "find_unused_parameters=True was specified in DDP constructor, but did not find any"
+    warned = re.findall(
+        rf"^\[rank(\d)\]:\[W.*reducer\.cpp.*Warning: (.{{{len(unused)}}})", err, re.M
+    )
+    assert sorted(warned) == [("0", unused), ("1", unused)]
+    # torchrun's notice: a block of lines, prefixed by its logger's "W... run.py:NNN] " on a
+    # terminal, bare when stderr is a pipe as here
+    notice = re.compile(
+        r"^(W.*torch/distributed/run\.py:\d+\] ?)?(\**|Setting OMP_NUM_THREADS .*)$"
+    )
+    others = [line for line in err.splitlines() if not notice.match(line.strip())]
+    assert [line for line in others if "reducer.cpp" not in line] == []
+    assert unused[:60] in " ".join(legend.split()) and "Setting OMP_NUM_THREADS" in legend

@@ -123,3 +123,23 @@ def test_a_global_batch_larger_than_the_epoch_is_refused():
         ValueError, match=r"one global batch \(2 ranks x 3\) is more than the 5 windows"
     ):
         DataCursor(5, world_size=2, rank=0, seed=0).next_starts(3)
+
+
+@pytest.mark.slow
+def test_the_sampler_tutorial_shows_set_epoch_and_the_per_rank_seed_bug():
+    # tutorials/sampler_order.py teaches what DataCursor replaces: the lines it prints must show
+    # a new order per epoch with set_epoch, the same order without, and gaps with a seed per rank.
+    from conftest import main_command, run
+
+    command = main_command(2, [], script=REPO / "tutorials" / "sampler_order.py", torchrun=True)
+    result = run(command, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    told, untold, per_rank = result.stdout.split("\n== ")[1:]
+    epochs = [line.split(": ", 1)[1] for line in told.splitlines() if "] epoch" in line]
+    assert len(epochs) == 4 and epochs[0] != epochs[2], told  # rank 0: epochs 0 and 1 differ
+    assert "trained twice none, never none" in told
+    repeats = [line.split(": ", 1)[1] for line in untold.splitlines() if "] epoch" in line]
+    assert repeats[0] == repeats[2] and repeats[1] == repeats[3], untold
+    summary = next(line for line in per_rank.splitlines() if line.startswith("all ranks"))
+    twice, never = summary.split(", never")
+    assert "none" not in twice and "none" not in never, per_rank

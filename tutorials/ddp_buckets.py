@@ -4,14 +4,15 @@
 
 After its first iteration DDP neither all-reduces the GPT's 52 gradients one by one nor all at
 once after backward (no overlap): it copies them into flat buckets and hands a bucket to
-all-reduce once all its gradients are ready. (The first backward is the exception the first
-table shows: DDP does not know the gradients' order yet, so all 52 go in one bucket at the
-end.) A communication hook sees each bucket then; this one records it and averages it over
-ranks, as DDP does by default. Each table is one backward pass of the
-default GPT on random tokens; "full at" / "sent at" count the gradients ready when the
-bucket's last one arrived / when DDP launched it. The closing sentences are computed from
-the tables; torch/nn/parallel/distributed.py (torch 2.13) says why. The optional argument
-writes every bucket's parameter names as JSON (tests/test_ddp_buckets.py reads it).
+all-reduce once all its gradients are ready and every lower-numbered bucket has gone. (The
+first backward is the exception the first table shows: DDP does not know the gradients' order
+yet, so all 52 go in one bucket at the end.) A communication hook sees each bucket then; this
+one records it and averages it over ranks, as DDP does by default. Each table is one backward
+pass of the default GPT on random tokens; a legend printed before them explains every column
+("full at" / "sent at" count the gradients ready when the bucket's last one arrived / when DDP
+launched it) and the two notices torchrun and DDP print on stderr. The closing sentences are
+computed from the tables; torch/nn/parallel/distributed.py (torch 2.13) says why. The optional
+argument writes every bucket's parameter names as JSON (tests/test_ddp_buckets.py reads it).
 """
 
 import json
@@ -27,6 +28,32 @@ sys.path.insert(
     0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 )  # repo root, for model.py
 from model import GPT, GPTConfig  # noqa: E402
+
+# Printed before the first table. The stderr lines it explains come before it on a terminal: both
+# are printed while the runs execute, the tables only after.
+LEGEND = """\
+On stderr, above, you may see two notices; neither is a fault:
+- "Setting OMP_NUM_THREADS environment variable for each process to be 1" (once): torchrun's own
+  (torch/distributed/run.py) whenever OMP_NUM_THREADS is unset and a node runs more than one
+  process: one thread per rank so that the ranks do not overload the cores. Setting it yourself
+  (OMP_NUM_THREADS=1 torchrun ...) silences it.
+- "find_unused_parameters=True was specified in DDP constructor, but did not find any unused
+  parameters in the forward pass" (DDP's reducer.cpp, once per rank): true, and on purpose. The
+  last two runs pass find_unused_parameters=True because only then does DDP keep the buckets it
+  cut from model.parameters() at construction (numbered from the last-defined end) and never
+  rebuild them; this GPT does use every parameter. It is a C++ warning, printed once per process:
+  Python's warnings filters never see it, so it is explained here rather than filtered.
+
+How to read each table: one table per backward pass, one row per call of the communication hook.
+  call           order of the hook calls in this backward (0 = DDP handed this bucket over first)
+  bucket         bucket.index(), DDP's number for the bucket; it launches buckets in this order
+  KiB            size of the bucket's flat gradient buffer (fp32: 4 bytes per element)
+  params         how many parameter tensors (gradients) the bucket holds
+  full at k/N    the bucket's last gradient was the k-th of the N to become ready in backward
+  sent at k/N    k gradients were ready when DDP handed the bucket to the hook (its all-reduce
+                 started then); N/N: after backward, no overlap; sent > full: the bucket was full
+                 but waited for a lower-numbered bucket
+  first .. last  the bucket's first and last parameter, in the bucket's own order"""
 
 CFG = GPTConfig(
     n_layer=4, n_head=4, n_embd=128, vocab_size=65, block_size=64
@@ -105,6 +132,8 @@ if __name__ == "__main__":
         f"{'call':>4} {'bucket':>6} {'KiB':>7} {'params':>6} "
         f"{'full at':>8} {'sent at':>8}  first .. last"
     )
+    if rank == 0:
+        print(LEGEND, flush=True)
     for key, label, its in (
         ("default", "bucket_cap_mb=None (the default)", 2),
         ("0.25", "bucket_cap_mb=0.25", 2),

@@ -10,8 +10,8 @@ WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), and, given --max-restar
 machine and passes each its index as the first argument; here each child turns that
 index into the same variables and calls main.run(), so main.py cannot tell the difference.
 What you give up compared with torchrun: restarts (--max-restarts), elastic
-membership, and multi-node rendezvous. What you get: the processes share a parent,
-which can collect their results.
+membership, and multi-node rendezvous. What you get: no separate command; the parent
+waits for all N children and, if one fails, stops the others and re-raises its error.
 
 Not for notebooks as such: the children are fresh interpreters ("spawn"), and mp.spawn
 sends them the worker function by name, so they must be able to import it. A worker

@@ -97,8 +97,8 @@ class TrainerConfig:
     compile: bool = False
     """torch.compile the model (inductor kernels; under FSDP block by block). Costs seconds to
     compile at start (cached on disk for later runs), then fuses the small ops between the matmuls:
-    on 2 CPU cores with native bf16, gpt-micro's step went from ~21 to ~19 ms (README §7); off by
-    default, since a short run does not earn its compile time back."""
+    on 2 CPU cores with native bf16, gpt-micro's step went from ~21 to ~19 ms (docs/speedrun.md);
+    off by default, since a short run does not earn its compile time back."""
     cpu_threads: int = 0
     """Threads for each rank's CPU math; 0: the cores this process may use divided by the ranks on
     its node (torchrun alone gives every rank 1 thread, leaving cores idle when there are more cores

@@ -52,9 +52,9 @@ def keep_freed_cpu_memory(device: torch.device, enabled: bool = True) -> str:
     temporaries). glibc's malloc serves large blocks with mmap and gives them back to the OS when
     they are freed, and trims the free tops of its heaps, so the next step's tensors land on fresh
     pages that the kernel must map and zero, one page fault per 4 KiB: about 2,500 faults a step at
-    nanoGPT's CPU recipe, compiled: 20.7 -> 17.3 ms a step with this setting (README §7). With
-    blocks up to 32 MiB served from the heap and no trimming, the process keeps what it once used
-    and reuses it (its peak memory moved by under 3% here). A MALLOC_* variable or another
+    nanoGPT's CPU recipe, compiled: 20.7 -> 17.3 ms a step with this setting (docs/speedrun.md).
+    With blocks up to 32 MiB served from the heap and no trimming, the process keeps what it once
+    used and reuses it (its peak memory moved by under 3% here). A MALLOC_* variable or another
     allocator (LD_PRELOAD jemalloc/tcmalloc) is the user's choice and is left alone; without glibc
     nothing changes.
     """
