@@ -5,9 +5,10 @@
 Parameter-server style (a star): every rank sends its whole tensor (S bytes) to rank 0,
 rank 0 adds them up and sends the sum back to each. Rank 0 receives N-1 full tensors one
 after another, then sends N-1: its link carries (N-1) x S in each direction, so where that
-link is the limit (a real network) its time grows with N. In the ring every rank sends 2(N-1)/N x S and receives as much, all
-ranks at once: no link carries more than about 2 x S, whatever N. (The total over all
-links is the same, 2(N-1) x S: the ring spreads it, the star piles it onto rank 0.)
+link is the limit (a real network) its time grows with N. In the ring every rank sends
+2(N-1)/N x S and receives as much, all ranks at once: no link carries more than about 2 x S,
+whatever N. (The total over all links is the same, 2(N-1) x S: the ring spreads it, the star
+piles it onto rank 0.)
 """
 
 import time
