@@ -9,9 +9,25 @@ in mingpt_ddp/parallel/plan.py). The Trainer in trainer.py is the code it config
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 from mingpt_ddp.errors import ConfigError
+
+
+def checkpoint_every(spec: str) -> int:
+    """trainer_config.activation_checkpointing as a period: 0 for none, 1 for full (every block),
+    K for every-K; any other spelling refused, naming the accepted ones. One parser for the config
+    check and for mingpt_ddp/parallel/checkpointing.py, which applies it."""
+    period = {"none": 0, "full": 1}.get(spec)
+    if period is None and re.fullmatch(r"every-[1-9][0-9]*", str(spec)):
+        period = int(spec.removeprefix("every-"))
+    if period is None:
+        raise ConfigError(
+            "trainer_config.activation_checkpointing must be none, full or every-K "
+            f"(K a whole number from 1, e.g. every-2), got {spec!r}"
+        )
+    return period
 
 
 @dataclass
@@ -99,6 +115,11 @@ class TrainerConfig:
     compile at start (cached on disk for later runs), then fuses the small ops between the matmuls:
     on 2 CPU cores with native bf16, gpt-micro's step went from ~21 to ~19 ms (docs/speedrun.md);
     off by default, since a short run does not earn its compile time back."""
+    activation_checkpointing: str = "none"
+    """Keep only a block's input through forward and recompute its insides during backward, for
+    less activation memory at the cost of a second forward of those blocks: none, full (every
+    block) or every-K (the first block and every K-th after it, e.g. every-2). Any parallel mode;
+    mingpt_ddp/parallel/checkpointing.py."""
     cpu_threads: int = 0
     """Threads for each rank's CPU math; 0: the cores this process may use divided by the ranks on
     its node (torchrun alone gives every rank 1 thread, leaving cores idle when there are more cores
@@ -170,6 +191,7 @@ class TrainerConfig:
             raise ConfigError(
                 f"trainer_config.use_amp must be true, false or auto, got {self.use_amp!r}"
             )
+        checkpoint_every(self.activation_checkpointing)
 
     def _check_extras(self) -> None:
         """What runs beside training (samples, the collectives' timeout, TensorBoard, CPU threads,

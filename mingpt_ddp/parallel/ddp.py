@@ -31,7 +31,7 @@ class DDPStrategy(Single):
             raise ConfigError(CPU_OFFLOAD_NEEDS_FSDP)
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        model = super().wrap(model)  # compiled in place first, if asked
+        model = super().wrap(model)  # checkpointed and compiled in place first, if asked
         if not self.ctx.distributed:
             return model  # `python main.py`: a world of one, nothing to average
         ddp = DDP(model, device_ids=[self.ctx.local_rank] if self.device.type == "cuda" else None)
@@ -47,7 +47,8 @@ class DDPStrategy(Single):
 
     def describe(self) -> tuple[str, str]:
         star = self.plan.grad_reduce == "via_rank0"
-        return f"ddp{' (gradients via rank 0)' if star else ''}", self.precision()
+        mode = f"ddp{' (gradients via rank 0)' if star else ''}{self.checkpointing_words()}"
+        return mode, self.precision()
 
 
 # No type annotations on the hook: DDP checks them, and `from __future__ import annotations`

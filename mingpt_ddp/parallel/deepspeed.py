@@ -42,6 +42,7 @@ import torch.nn as nn
 from mingpt_ddp.config.deepspeed import DeepSpeedConfig
 from mingpt_ddp.errors import ConfigError, SnapshotMismatch
 from mingpt_ddp.optim import build_optimizers, check_muon_supported, state_tensors
+from mingpt_ddp.parallel.checkpointing import apply_activation_checkpointing, checkpointing_words
 from mingpt_ddp.parallel.plan import local_bytes
 from mingpt_ddp.parallel.single import check_no_foreign_options
 from mingpt_ddp.parallel.strategy import Batch, Strategy, StrategyArgs
@@ -183,6 +184,10 @@ class DeepSpeedStrategy(Strategy):
         super().__init__(model, args)
         self.cfg = ds = args.deepspeed
         self.check(args)
+        # Before the engine wraps the model (its hooks then stay outside the checkpointed blocks).
+        self.checkpointed = apply_activation_checkpointing(
+            model, self.plan.activation_checkpointing
+        )
         self.optimizers = build_optimizers(model, args.optim, self.device.type)  # [AdamW]
         deepspeed = import_deepspeed(self.device)
         amp = self.plan.amp_dtype if self.plan.use_amp else None
@@ -244,6 +249,7 @@ class DeepSpeedStrategy(Strategy):
             f"deepspeed ZeRO-{ds.zero_stage}"
             + (" + optimizer offload" if ds.offload_optimizer else "")
             + (" + parameter offload" if ds.offload_params else "")
+            + checkpointing_words(self.checkpointed, len(self.model.blocks))
         )
         return mode, self.precision()
 

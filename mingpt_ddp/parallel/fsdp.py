@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.optim import check_muon_supported
+from mingpt_ddp.parallel.checkpointing import apply_activation_checkpointing
 from mingpt_ddp.parallel.plan import AMP_DTYPES
 from mingpt_ddp.parallel.single import CPU_OFFLOAD_NEEDS_FSDP, VIA_RANK0_NEEDS_DDP, Single
 from mingpt_ddp.parallel.strategy import StrategyArgs
@@ -86,6 +87,10 @@ class FSDPStrategy(Single):
         """Shard in place, block by block, then the root (embeddings, final norm, head): each
         block's parameters are gathered just before it runs and freed after."""
         plan = self.plan
+        # Activation checkpointing, then compile, then sharding (torchtitan's order): FSDP's hooks
+        # sit on each block's __call__, outside the checkpointed forward, so the parameters are
+        # gathered before backward recomputes the block.
+        self.checkpointed = apply_activation_checkpointing(model, plan.activation_checkpointing)
         if plan.compile:  # block by block (torchtitan's way): each block is a unit FSDP gathers
             for block in model.blocks:
                 block.compile()

@@ -29,6 +29,7 @@ class Plan:
     cpu_offload: bool = False  # FSDP
     compile: bool = False
     tf32: bool = True
+    activation_checkpointing: str = "none"  # none | full | every-K (checkpointing.py)
 
     @classmethod
     def of(cls, c, device: torch.device) -> Plan:
@@ -43,6 +44,7 @@ class Plan:
             c.fsdp_cpu_offload,
             c.compile,
             c.tf32,
+            c.activation_checkpointing,
         )
 
 

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.optim import build_optimizers, state_tensors
+from mingpt_ddp.parallel.checkpointing import apply_activation_checkpointing, checkpointing_words
 from mingpt_ddp.parallel.plan import (
     AMP_DTYPES,
     autocast_attention_fp32,
@@ -58,6 +59,11 @@ class Single(Strategy):
         check_no_foreign_options(args.plan)
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        # Activation checkpointing first, then compile (torchtitan's order: AC, compile, FSDP or
+        # DDP): compile then traces each checkpointed block as a region it recomputes in backward.
+        self.checkpointed = apply_activation_checkpointing(
+            model, self.plan.activation_checkpointing
+        )
         if self.plan.compile:
             # In place (Module.compile), so parameter names do not change: no "_orig_mod." prefixes
             # in snapshots. The whole model, embeddings to loss, as one graph: inductor then fuses
@@ -127,6 +133,13 @@ class Single(Strategy):
     def grad_norm(self) -> float:
         norm = self.last_norm
         return float((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item())
+
+    def describe(self) -> tuple[str, str]:
+        mode, precision = super().describe()
+        return mode + self.checkpointing_words(), precision
+
+    def checkpointing_words(self) -> str:
+        return checkpointing_words(self.checkpointed, len(self.model.blocks))
 
     def attention_words(self) -> str:
         return f", {self.attention_choice}" if self.attention_choice else ""
