@@ -35,6 +35,7 @@ TRANSLATED = [
     "fsdp-amp.md",
     "measured.md",
     "speedrun.md",
+    "architecture.md",
 ]
 MARKERS = ("runnable", "syntax-only", "test-command", "slurm-command")
 BLOCK = re.compile(r"(?:<!-- ([\w-]+) -->\n)?```bash\n(.*?)```", re.S)
