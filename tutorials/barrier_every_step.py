@@ -20,7 +20,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from common import init, say, title
+from common import finish, init, say, title
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -122,11 +122,4 @@ if __name__ == "__main__":
     init()
     measure()
     what_it_is_for()
-    # leave together: a rank tearing down while a peer still talks to it can abort gloo
-    dist.barrier()
-    dist.destroy_process_group()
-    # gloo's exit-time C++ destructors abort some runs after a clean teardown ("terminate called
-    # without an active exception": 4 runs in 16 of a plain DDP script here); skip them, as
-    # mingpt_ddp/runtime/distributed.py's exit_process does
-    sys.stdout.flush()
-    os._exit(0)
+    finish()

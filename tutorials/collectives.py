@@ -24,7 +24,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from common import init, say, title
+from common import finish, init, say, title
 
 rank, world = init()
 
@@ -155,4 +155,4 @@ say(
     f"waited {time.monotonic() - arrived:.2f} s at the barrier"
 )
 
-dist.destroy_process_group()
+finish()

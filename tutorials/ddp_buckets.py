@@ -21,7 +21,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from common import init, title
+from common import finish, init, title
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(
@@ -213,6 +213,4 @@ if __name__ == "__main__":
         if len(sys.argv) > 1:
             with open(sys.argv[1], "w") as f:
                 json.dump({"params": params, "runs": runs}, f, indent=1)
-    # leave together: a rank tearing down while a peer still talks to it can abort gloo
-    dist.barrier()
-    dist.destroy_process_group()
+    finish()

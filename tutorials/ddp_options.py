@@ -10,13 +10,10 @@ torch/nn/parallel/distributed.py in torch 2.13 (and the reducer's messages, prin
 docs/ddp-in-practice.md quotes the lines.
 """
 
-import os
-import sys
-
 import torch
 import torch.distributed as dist
 import torch.nn.parallel.distributed as ddp_module
-from common import init, say, title
+from common import finish, init, say, title
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -200,11 +197,4 @@ if __name__ == "__main__":
     unused_branch()
     static_graph()
     bucket_view()
-    # leave together: a rank tearing down while a peer still talks to it can abort gloo
-    dist.barrier()
-    dist.destroy_process_group()
-    # gloo's exit-time C++ destructors abort some runs after a clean teardown ("terminate called
-    # without an active exception": 4 runs in 16 of a plain DDP script here); skip them, as
-    # mingpt_ddp/runtime/distributed.py's exit_process does
-    sys.stdout.flush()
-    os._exit(0)
+    finish()

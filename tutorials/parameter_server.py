@@ -15,7 +15,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from common import init, say, title
+from common import finish, init, say, title
 from ring_allreduce import ring_all_reduce
 
 MiB = 1 << 20
@@ -67,4 +67,4 @@ if __name__ == "__main__":
             f"{name:<17} sent {sent / MiB:5.2f} MiB  "
             f"received {received / MiB:5.2f} MiB  {ms:7.1f} ms"
         )
-    dist.destroy_process_group()
+    finish()

@@ -22,14 +22,12 @@ a stage holds at most p microbatches' activations instead of m.
 docs/pipeline.md explains the output; torch.distributed.pipelining is the engine for real use.
 """
 
-import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import init, say, title
+from common import finish, init, say, title
 from torch import nn
 
 H = 768  # features between blocks: what crosses from stage 0 to stage 1
@@ -304,9 +302,4 @@ if __name__ == "__main__":
     ok = run_schedule("GPipe", gpipe, rank, module, refs)
     ok &= run_schedule("1F1B", one_f_one_b, rank, module, refs)
     say(f"all checks passed: {ok}")
-    dist.barrier()  # leave together: a rank tearing down while its peer still talks can abort
-    dist.destroy_process_group()
-    # gloo's exit-time C++ destructors abort some 2-rank runs after a clean teardown ("terminate
-    # called without an active exception"), as tutorials/ddp_options.py notes; skip them
-    sys.stdout.flush()
-    os._exit(0 if ok else 1)
+    finish(0 if ok else 1)

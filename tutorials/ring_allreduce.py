@@ -10,12 +10,11 @@ sends 2(N-1) chunks of size/N: 2(N-1)/N times the tensor, nearly constant as N
 grows, which is why NCCL and gloo use rings (or trees) for all_reduce.
 """
 
-import sys
 import time
 
 import torch
 import torch.distributed as dist
-from common import init, say, title
+from common import finish, init, say, title
 
 
 def ring_all_reduce(t: torch.Tensor) -> int:
@@ -87,5 +86,4 @@ if __name__ == "__main__":
         for _ in range(5):
             fn(big.clone())
         say(f"{name:<20} {1e3 * (time.perf_counter() - t0) / 5:.1f} ms")
-    dist.destroy_process_group()
-    sys.exit(0 if ok else 1)
+    finish(0 if ok else 1)

@@ -14,7 +14,7 @@ snapshot resumes it mid-epoch at any world size (README, section 4).
 """
 
 import torch.distributed as dist
-from common import init, say, title
+from common import finish, init, say, title
 from torch.utils.data import DistributedSampler
 
 rank, world = init()
@@ -56,4 +56,4 @@ everyone = shares(seed=rank, epoch=0)
 say(f"epoch 0: {everyone[rank]}")
 coverage(everyone)
 
-dist.destroy_process_group()
+finish()
