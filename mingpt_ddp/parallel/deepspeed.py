@@ -42,7 +42,7 @@ import torch.nn as nn
 from mingpt_ddp.config.deepspeed import DeepSpeedConfig
 from mingpt_ddp.errors import ConfigError, SnapshotMismatch
 from mingpt_ddp.optim import build_optimizers, check_muon_supported, state_tensors
-from mingpt_ddp.parallel.checkpointing import apply_activation_checkpointing, checkpointing_words
+from mingpt_ddp.parallel.checkpointing import apply_activation_checkpointing
 from mingpt_ddp.parallel.plan import local_bytes
 from mingpt_ddp.parallel.single import check_no_foreign_options
 from mingpt_ddp.parallel.strategy import Batch, Strategy, StrategyArgs
@@ -249,7 +249,7 @@ class DeepSpeedStrategy(Strategy):
             f"deepspeed ZeRO-{ds.zero_stage}"
             + (" + optimizer offload" if ds.offload_optimizer else "")
             + (" + parameter offload" if ds.offload_params else "")
-            + checkpointing_words(self.checkpointed, len(self.model.blocks))
+            + self.checkpointing_words()
         )
         return mode, self.precision()
 

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.optim import build_optimizers, state_tensors
-from mingpt_ddp.parallel.checkpointing import apply_activation_checkpointing, checkpointing_words
+from mingpt_ddp.parallel.checkpointing import apply_activation_checkpointing
 from mingpt_ddp.parallel.plan import (
     AMP_DTYPES,
     autocast_attention_fp32,
@@ -133,13 +133,6 @@ class Single(Strategy):
     def grad_norm(self) -> float:
         norm = self.last_norm
         return float((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item())
-
-    def describe(self) -> tuple[str, str]:
-        mode, precision = super().describe()
-        return mode + self.checkpointing_words(), precision
-
-    def checkpointing_words(self) -> str:
-        return checkpointing_words(self.checkpointed, len(self.model.blocks))
 
     def attention_words(self) -> str:
         return f", {self.attention_choice}" if self.attention_choice else ""

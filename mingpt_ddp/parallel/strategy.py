@@ -66,6 +66,7 @@ import torch.nn as nn
 from mingpt_ddp.config.deepspeed import DeepSpeedConfig
 from mingpt_ddp.config.optimizer import OptimizerConfig
 from mingpt_ddp.errors import SnapshotMismatch
+from mingpt_ddp.parallel.checkpointing import checkpointing_words
 from mingpt_ddp.parallel.plan import Plan, bf16_native, tf32_matmuls
 from mingpt_ddp.runtime.distributed import ControlPlane, DistContext
 from mingpt_ddp.snapshots.files import OpenSnapshot
@@ -103,6 +104,8 @@ class Strategy:
     """Every rank must run every forward (each holds only part of the parameters)."""
     amp_words: str = "{dtype} autocast"
     """How mixed precision works in this mode, in words, for the start-up line."""
+    checkpointed: int = 0
+    """How many blocks the mode put under activation checkpointing as it wrapped the model."""
 
     def __init__(self, model: nn.Module, args: StrategyArgs):
         self.model, self.args = model, args
@@ -143,7 +146,11 @@ class Strategy:
     # ------------------------------------------------------------- in words
     def describe(self) -> tuple[str, str]:
         """(mode, precision) in words: what the start-up line says of this run."""
-        return self.plan.parallel, self.precision()
+        return self.plan.parallel + self.checkpointing_words(), self.precision()
+
+    def checkpointing_words(self) -> str:
+        """What the start-up line says of activation checkpointing (nothing when off)."""
+        return checkpointing_words(self.checkpointed, len(self.model.blocks))
 
     def precision(self) -> str:
         plan = self.plan
