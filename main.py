@@ -196,6 +196,7 @@ def build_trainer(job, ctx: DistContext, store: SnapshotStore) -> Trainer:
         run_config,
         store,
         job.deepspeed_config,
+        job.pipeline_config,
     )
     if ctx.distributed:  # (a sweep's jobs are single processes: nothing to keep between them)
         _KEEP_UNTIL_EXIT.append(trainer)

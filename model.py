@@ -202,31 +202,46 @@ class GPT(nn.Module):
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        B, T = idx.shape
+        T = idx.size(1)
         if T > self.config.block_size:
             raise ValueError(
                 f"sequence of length {T} is longer than block_size {self.config.block_size}"
             )
-        x = self.wte(idx)  # (B, T, C)
-        if self.wpe is not None:
-            x = x + self.wpe(torch.arange(T, device=idx.device))  # (B, T, C) + (T, C) broadcast
+        logits = self.run(idx)  # (B, T, V)
+        return logits, None if targets is None else self.loss(logits, targets)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """The parts of the network this module holds, in order: token ids (B, T) -> logits
+        (B, T, V). A model cut into pipeline stages (mingpt_ddp/parallel/stages.py) holds some of
+        them: without the token embedding x is the (B, T, C) output of the blocks before, and
+        without the head the result is its own blocks' (B, T, C) output."""
+        T = x.size(1)
+        if self.wte is not None:
+            x = self.wte(x)  # (B, T, C)
+            if self.wpe is not None:  # (B, T, C) + (T, C) broadcast
+                x = x + self.wpe(torch.arange(T, device=x.device))
+            x = self.drop(x)
         rope = (
-            self.rotary(T, idx.device) if self.rotary is not None else None
+            self.rotary(T, x.device) if self.rotary is not None else None
         )  # (T, 1, 1, hs/2) complex
-        x = self.drop(x)
-        for block in self.blocks:
+        for block in self.blocks.children():  # children(): a stage's blocks are a ModuleDict
             x = block(x, rope)  # (B, T, C)
+        if self.lm_head is None:
+            return x
         logits = self.lm_head(self.ln_f(x))  # (B, T, V)
         if self.config.logit_softcap:  # in fp32: tanh of bf16 logits would round them coarsely
             cap = self.config.logit_softcap
             logits = cap * torch.tanh(logits.float() / cap)
-        loss = None
-        if targets is not None:
-            # Flatten batch and time: every position is one next-character prediction. The loss
-            # in fp32 whatever the logits' dtype: under FSDP's bf16 parameters (no autocast) a
-            # bf16 loss near 1.5 could only move in steps of 2^-7 = 0.008.
-            loss = F.cross_entropy(logits.view(B * T, -1).float(), targets.reshape(B * T).long())
-        return logits, loss
+        return logits
+
+    @staticmethod
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-character cross-entropy of logits (B, T, V) against targets (B, T)."""
+        # Flatten batch and time: every position is one next-character prediction. The loss in
+        # fp32 whatever the logits' dtype: under FSDP's bf16 parameters (no autocast) a bf16 loss
+        # near 1.5 could only move in steps of 2^-7 = 0.008.
+        B, T, V = logits.shape
+        return F.cross_entropy(logits.view(B * T, V).float(), targets.reshape(B * T).long())
 
     @torch.no_grad()
     def generate(

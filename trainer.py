@@ -25,11 +25,13 @@ import torch
 from char_dataset import CharDataset
 from mingpt_ddp.config.deepspeed import DeepSpeedConfig
 from mingpt_ddp.config.optimizer import OptimizerConfig
+from mingpt_ddp.config.pipeline import PipelineConfig
 from mingpt_ddp.config.trainer import TrainerConfig
 from mingpt_ddp.metrics import LogWindow, MetricsLog, ProgressLine, format_duration, peak_memory
 from mingpt_ddp.optim import set_learning_rates
 from mingpt_ddp.parallel.plan import Plan, set_tf32
 from mingpt_ddp.parallel.registry import build_strategy
+from mingpt_ddp.parallel.stages import replica
 from mingpt_ddp.parallel.strategy import Batch, StrategyArgs
 from mingpt_ddp.runtime.distributed import ControlPlane, DistContext, print0
 from mingpt_ddp.runtime.signals import StopSignals
@@ -50,22 +52,20 @@ class Trainer:
         run_config: dict[str, Any],
         store: SnapshotStore,
         deepspeed_cfg: DeepSpeedConfig | None = None,
+        pipeline_cfg: PipelineConfig | None = None,
     ):
         self.cfg, self.optim_cfg, self.ctx, self.store = trainer_cfg, optim_cfg, ctx, store
         self.dataset, self.run_config, self.device = dataset, run_config, ctx.device
         c, self.control = trainer_cfg, ControlPlane()
+        plan = Plan.of(c, ctx.device, pipeline_cfg)  # parallelism, precision ("auto" decided)
         # How far the run has got (step, data position, val loss, RNG): what a resume restores.
+        # Its data share is its replica's: all stages of one pipeline read the same windows.
+        share = replica(ctx.rank, ctx.world_size, plan.pipeline.degree)
         self.state = TrainState(
-            len(dataset.train), ctx, c.batch_size, c.grad_accum_steps, c.seed, self.control
+            len(dataset.train), ctx, c.batch_size, c.grad_accum_steps, c.seed, self.control, share
         )
         self.num_params = model.num_params()  # now: ZeRO-3 empties the parameters it partitions
-        plan = Plan.of(c, ctx.device)  # parallelism and precision ("auto" decided for this device)
-        set_tf32(plan, self.device)
-        ds = deepspeed_cfg or DeepSpeedConfig()
-        args = StrategyArgs(
-            plan, ctx, optim_cfg, c.batch_size, c.grad_accum_steps, self.control, ds
-        )
-        self.strategy = build_strategy(c.parallel, model.to(self.device), args)
+        self.strategy = self._build_strategy(model, plan, deepspeed_cfg or DeepSpeedConfig())
         self.model = self.strategy.model  # the plain module (under FSDP: sharded in place)
         self.data_seconds = 0.0  # time spent preparing batches since the last log line
         # Each rank its own random stream (dropout differs across its samples), all from one seed.
@@ -80,6 +80,15 @@ class Trainer:
         self.snapshots = Snapshots(
             self, self.strategy, store, c, ctx.is_main, self.control, self.metrics
         )
+
+    def _build_strategy(self, model: GPT, plan: Plan, ds: DeepSpeedConfig):
+        """The parallel mode named by the config, around the model moved to this rank's device."""
+        set_tf32(plan, self.device)
+        c = self.cfg
+        args = StrategyArgs(
+            plan, self.ctx, self.optim_cfg, c.batch_size, c.grad_accum_steps, self.control, ds
+        )
+        return build_strategy(c.parallel, model.to(self.device), args)
 
     @property
     def step(self) -> int:
@@ -149,24 +158,23 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean validation loss over a fixed, evenly spaced set of windows, averaged over all ranks.
         Its cost depends on eval_iters, batch size and world size, not on the corpus."""
-        B, W, n_iters = self.cfg.batch_size, self.ctx.world_size, self.cfg.eval_iters
-        starts = self.dataset.val.evenly_spaced(n_iters * B * W)[
-            self.ctx.rank :: W
-        ]  # this rank's share
+        B, n_iters, W = self.cfg.batch_size, self.cfg.eval_iters, self.state.replicas
         val = self.dataset.val
+        starts = val.evenly_spaced(n_iters * B * W)[self.state.replica :: W]  # its replica's share
         return self.strategy.evaluate(
             self._to_device(val.ids(starts[i * B : (i + 1) * B])) for i in range(n_iters)
         )
 
     def _sample(self) -> str:
         tok = self.dataset.tokenizer
-        prompt = tok.encode("\n" if "\n" in tok.stoi else tok.chars[0])[None].to(
-            self.device
-        )  # (1, 1)
-        gen = torch.Generator(self.device).manual_seed(
-            self.cfg.seed
-        )  # own generator: training RNG untouched
-        out = self.model.generate(prompt, self.cfg.sample_chars, temperature=0.8, generator=gen)
+        prompt = tok.encode("\n" if "\n" in tok.stoi else tok.chars[0])[None]  # (1, 1)
+        prompt = prompt.to(self.device)
+        # Its own generator: the training RNG is left untouched.
+        gen = torch.Generator(self.device).manual_seed(self.cfg.seed)
+        model = self.strategy.sampling_model()  # a pipeline's whole model, on rank 0 only
+        if model is None:
+            return ""
+        out = model.generate(prompt, self.cfg.sample_chars, temperature=0.8, generator=gen)
         return tok.decode(out[0, 1:])
 
     def train_step(self) -> torch.Tensor | None:
@@ -215,9 +223,7 @@ class Trainer:
         window, t_start = LogWindow(self.state.step, self.device), time.perf_counter()
         while self.state.step < self.cfg.max_steps:
             window.add(self.train_step())
-            if (
-                self.state.step == window.start_step + 1
-            ):  # AdamW creates its state at the first step
+            if self.state.step == window.start_step + 1:  # AdamW's state exists from step 1
                 self._report_optimizer_memory()
             progress.update(self.state.step)
             last = self.state.step == self.cfg.max_steps
@@ -246,7 +252,7 @@ class Trainer:
         return (
             self.cfg.batch_size
             * self.model.config.block_size
-            * self.ctx.world_size
+            * self.state.replicas
             * self.state.accum_steps
         )
 
@@ -258,8 +264,7 @@ class Trainer:
         print0(
             f"train | {self.num_params / 1e6:.2f}M parameters | {mode} | {precision}"
             f"{' + compile' if cfg.compile else ''} | world size {W} | "
-            f"global batch {cfg.batch_size * W * self.state.accum_steps} windows = {tokens} tokens "
-            "| "
+            f"global batch {self.state.global_batch} windows = {tokens} tokens | "
             f"steps {self.state.step}->{cfg.max_steps} (~{epochs:.2f} epochs)"
         )
 

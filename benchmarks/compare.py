@@ -68,6 +68,14 @@ ROWS = [
     ("DeepSpeed", 1.01, "DDP, deepspeed launcher", "deepspeed", ["parallel=ddp"]),
     ("accelerate", 1.37, "DDP, accelerate launch", "accelerate", ["parallel=ddp"]),
     ("-", None, "FSDP (PyTorch's ZeRO-3)", "torchrun", ["parallel=fsdp"]),
+    # Note 002's "DDP+MP" (DDP with pipeline parallelism), untimed there: 2 stages per replica.
+    (
+        "DDP+MP",
+        None,
+        "DDP + pipeline (2 stages, 1F1B)",
+        "torchrun",
+        ["parallel=ddp", "pipeline_config.degree=2"],
+    ),
 ]
 # The workload: (model and batch overrides, steps). Global batch = batch_size x ranks, the same in
 # every row.
@@ -145,6 +153,10 @@ def run_row(row: tuple, nproc: int, workload: tuple, data: str, device: str, wor
     out = {"notes_row": notes_name, "notes_minutes": notes_min, "here": what, "ranks": ranks}
     if launcher == "horovod":
         return {**out, "skipped": HOROVOD}
+    # A pipeline's ranks share one batch: batch_size is per replica (stages x replicas = ranks).
+    degree = int(next((o.split("=")[1] for o in overrides if "pipeline_config.degree" in o), 1))
+    if ranks % degree:
+        return {**out, "skipped": f"needs a multiple of {degree} ranks (pipeline stages)"}
     run_dir = os.path.join(workdir, re.sub(r"\W+", "_", what))
     args = [
         *base,
@@ -153,7 +165,7 @@ def run_row(row: tuple, nproc: int, workload: tuple, data: str, device: str, wor
         f"data_config.path={data}",
         f"data_config.cache_dir={workdir}/prepared",
         f"trainer_config.device={device}",
-        f"trainer_config.batch_size={per_rank_batch * nproc // ranks}",
+        f"trainer_config.batch_size={per_rank_batch * nproc * degree // ranks}",
         f"trainer_config.max_steps={steps}",
         f"trainer_config.log_every={max(1, steps // 5)}",
         f"trainer_config.eval_every={steps}",

@@ -29,23 +29,32 @@ class TrainState:
         accum_steps: int,
         seed: int,
         control: ControlPlane,
+        replica: tuple[int, int] | None = None,
     ):
-        if num_windows < ctx.world_size * batch_size:
+        self.ctx, self.control = ctx, control
+        # (which replica, how many): the data-parallel coordinates; every rank is its own replica
+        # unless a pipeline's stages share one (mingpt_ddp/parallel/stages.py).
+        self.replica, self.replicas = replica or (ctx.rank, ctx.world_size)
+        if num_windows < self.replicas * batch_size:
             raise ConfigError(
                 f"the training region has {num_windows} windows, fewer than one global "
-                f"batch (batch_size {batch_size} x world size {ctx.world_size}); use more text "
+                f"batch (batch_size {batch_size} x {self.replicas_words()}); use more text "
                 "or a smaller trainer_config.batch_size"
             )
-        self.data_cursor = DataCursor(num_windows, ctx.world_size, ctx.rank, seed)
-        self.ctx, self.control = ctx, control
+        self.data_cursor = DataCursor(num_windows, self.replicas, self.replica, seed)
         self.batch_size, self.accum_steps, self.seed = batch_size, accum_steps, seed
         self.step = 0
         self.last_val_loss: float | None = None  # saved: a rerun knows a target was already met
         self.saved_world_size = ctx.world_size  # of the snapshot resumed from
 
+    def replicas_words(self) -> str:
+        """ "2 ranks", or with a pipeline "2 replicas" (each of several ranks)."""
+        pipelines = self.replicas != self.ctx.world_size
+        return f"{self.replicas} {'replicas' if pipelines else 'ranks'}"
+
     @property
     def global_batch(self) -> int:
-        return self.batch_size * self.ctx.world_size * self.accum_steps
+        return self.batch_size * self.replicas * self.accum_steps
 
     def state_dict(self) -> dict[str, Any]:
         device = self.ctx.device
@@ -108,7 +117,7 @@ class TrainState:
     def _keep_global_batch(self, global_batch: int) -> None:
         """At a new world size, keep the global batch (and so the meaning of a step and of the
         learning-rate schedule) by changing gradient accumulation; the per-rank batch stays."""
-        per_micro_step = self.batch_size * self.ctx.world_size
+        per_micro_step = self.batch_size * self.replicas
         if global_batch % per_micro_step:
             warn0(
                 f"global batch {global_batch} is not a multiple of batch_size x world size = "
@@ -118,7 +127,7 @@ class TrainState:
         self.accum_steps = global_batch // per_micro_step
         print0(
             f"resume | global batch kept at {global_batch} windows = {self.batch_size} per rank "
-            f"x {self.ctx.world_size} ranks x {self.accum_steps} accumulation steps"
+            f"x {self.replicas_words()} x {self.accum_steps} accumulation steps"
         )
 
 

@@ -2,6 +2,8 @@
 
     FAULT=stall:RANK:STEP         that rank hangs (a stuck filesystem, a deadlock) before that step
     FAULT=raise:RANK:STEP         that rank raises an exception before that step
+    FAULT=kill:RANK:STEP          that rank SIGKILLs itself before that step (a lost machine, the
+                                  OOM killer), at that exact step however fast the steps are
     FAULT=block_write:RANK:STEP   that rank stops half-way through writing a file of the step's
                                   snapshot (half its bytes in the temporary file), and hangs there
     FAULT=enospc_at:RANK:STEP     every write of that step's snapshot files fails: No space left
@@ -18,6 +20,7 @@ a temporary file, and no skipping when the moment was missed.
 import errno
 import os
 import re
+import signal
 import sys
 import time
 import uuid
@@ -36,7 +39,7 @@ _train_step, _write = trainer.Trainer.train_step, storage.LocalStorage.write
 
 def train_step(self):
     if (
-        kind in ("stall", "raise")
+        kind in ("stall", "raise", "kill")
         and self.ctx.rank == int(fault_rank)
         and self.step == int(fault_step)
         and first_attempt
@@ -44,6 +47,8 @@ def train_step(self):
         print(f"fault | rank {self.ctx.rank} | {kind} before step {self.step + 1}", flush=True)
         if kind == "stall":
             time.sleep(3600)
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError("injected failure")
     return _train_step(self)
 

@@ -116,7 +116,7 @@ def test_compare_smoke_mode_times_rows_end_to_end_and_says_why_a_row_cannot_run(
             "--out",
             str(out),
             "--rows",
-            "one process,spawn_launch,Horovod",
+            "one process,spawn_launch,Horovod,DDP + pipeline",
         ],
         capture_output=True,
         text=True,
@@ -135,6 +135,8 @@ def test_compare_smoke_mode_times_rows_end_to_end_and_says_why_a_row_cannot_run(
             and rows[timed]["tokens"] > 0
         )
     assert "does not build" in rows["Horovod"]["skipped"]
+    # The notes' DDP+MP: 2 stages, its batch per replica, so the same tokens as the other rows.
+    assert rows["DDP + pipeline (2 stages, 1F1B)"]["tokens"] == rows["one process"]["tokens"]
 
 
 # A stand-in for a nanoGPT checkout (CI has no internet to clone one): its model.py offers what

@@ -118,7 +118,14 @@ def test_a_plain_install_adds_one_package_that_builds_the_schema_outside_the_che
     where, fields = result.stdout.splitlines()
     assert where.startswith(str(target))  # not the checkout's copy
     assert fields == str(
-        ["data_config", "deepspeed_config", "gpt_config", "optimizer_config", "trainer_config"]
+        [
+            "data_config",
+            "deepspeed_config",
+            "gpt_config",
+            "optimizer_config",
+            "pipeline_config",
+            "trainer_config",
+        ]
     )
 
 
@@ -175,7 +182,11 @@ def test_every_registered_mode_implements_the_strategy_contract():
         ), (mode, missing)  # DeepSpeed's engine saves and loads its own files (write/read_tensors)
         assert cls.layout is None or isinstance(cls.layout, FileLayout)
     layouts = file_layouts()  # the store's rules for multi-file snapshots come from the strategies
-    assert {k: v.extension for k, v in layouts.items()} == {"sharded": "dcp", "deepspeed": "zero"}
+    assert {k: v.extension for k, v in layouts.items()} == {
+        "sharded": "dcp",
+        "deepspeed": "zero",
+        "pipeline": "pipeline",
+    }
 
 
 # ------------------------------------------------------------------------------ sizes

@@ -2,10 +2,11 @@
 
 Each section of the config is a dataclass in this package (config/): DataConfig (data.py),
 GPTConfig (model.py), OptimizerConfig (optimizer.py), TrainerConfig (trainer.py), DeepSpeedConfig
-(deepspeed.py); they import nothing but the error types, so any part of the project can import its
-section without importing the others. They are the only place a key, its type, its default and its
-meaning are written. This module puts them together as the job's schema and registers
-it with Hydra's ConfigStore; gpt2_train_cfg.yaml composes it through its defaults list.
+(deepspeed.py), PipelineConfig (pipeline.py); they import nothing but the error types, so any part
+of the project can import its section without importing the others. They are the only place a
+key, its type, its default and its meaning are written. This module puts them together as the
+job's schema and registers it with Hydra's ConfigStore; gpt2_train_cfg.yaml composes it through
+its defaults list.
 Hydra (OmegaConf) then refuses an unknown key or a value of the wrong type, on the
 command line and in YAML alike, with the same message naming the key; ranges and
 combinations are each dataclass's __post_init__'s job (ConfigError).
@@ -31,6 +32,7 @@ from mingpt_ddp.config.deepspeed import DeepSpeedConfig
 from mingpt_ddp.config.groups import PARALLEL, RECIPES
 from mingpt_ddp.config.model import MODEL_SIZES, GPTConfig
 from mingpt_ddp.config.optimizer import OptimizerConfig
+from mingpt_ddp.config.pipeline import PipelineConfig
 from mingpt_ddp.config.trainer import TrainerConfig
 from mingpt_ddp.errors import ConfigError
 
@@ -44,6 +46,7 @@ def sections() -> dict[str, type]:
         "optimizer_config": OptimizerConfig,
         "trainer_config": TrainerConfig,
         "deepspeed_config": DeepSpeedConfig,
+        "pipeline_config": PipelineConfig,
     }
 
 

@@ -64,7 +64,8 @@ def apply_activation_checkpointing(model: nn.Module, spec: str) -> int:
     """Checkpoint the blocks of model.blocks that spec names (none, full, every-K), in place;
     returns how many are checkpointed. Applying it twice checkpoints no block twice."""
     every = checkpoint_every(spec)
-    chosen = [block for i, block in enumerate(model.blocks) if every and i % every == 0]
+    # By the block's number in the whole model (a pipeline stage's blocks keep theirs as names).
+    chosen = [b for name, b in model.blocks.named_children() if every and int(name) % every == 0]
     for block in chosen:
         if getattr(block.forward, "func", None) is not checkpointed:
             # An instance attribute: nn.Module.__call__ finds it before the class's forward.

@@ -63,6 +63,34 @@ DCP_FILES = FileLayout(
 )
 
 
+def shard(module: nn.Module, mesh, plan, root: bool = False) -> None:
+    """fully_shard one module over mesh, with the plan's precision, offload and resharding. The
+    root (embeddings, final norm, head) keeps its gathered parameters after forward: the head is
+    the first thing backward needs, so freeing them would only gather them again at once (torch's
+    own default for the root; counted: one all-gather of the root less per step)."""
+    # bf16 compute copies of the parameters, fp32 gradient reduction (summing many small bf16
+    # numbers loses precision), fp32 sharded master weights.
+    mp = (
+        MixedPrecisionPolicy(param_dtype=AMP_DTYPES[plan.amp_dtype], reduce_dtype=torch.float32)
+        if plan.use_amp
+        else MixedPrecisionPolicy()
+    )
+    fully_shard(
+        module,
+        mesh=mesh,
+        mp_policy=mp,
+        offload_policy=CPUOffloadPolicy() if plan.cpu_offload else OffloadPolicy(),
+        reshard_after_forward=plan.reshard_after_forward and not root,
+    )
+
+
+def write_dcp(state: dict, folder: str) -> str:
+    """Collective: every rank writes its shards (its own keys, or its part of a DTensor) of
+    state into folder; a tensor several ranks hold alike is written once."""
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(folder))
+    return folder
+
+
 class FSDPStrategy(Single):
     """The local step of single.py over sharded parameters, with FSDP's gathers and reductions."""
 
@@ -94,26 +122,13 @@ class FSDPStrategy(Single):
         if plan.compile:  # block by block (torchtitan's way): each block is a unit FSDP gathers
             for block in model.blocks:
                 block.compile()
-        # bf16 compute copies of the parameters, fp32 gradient reduction (summing many small
-        # bf16 numbers loses precision), fp32 sharded master weights.
-        mp = (
-            MixedPrecisionPolicy(param_dtype=AMP_DTYPES[plan.amp_dtype], reduce_dtype=torch.float32)
-            if plan.use_amp
-            else MixedPrecisionPolicy()
-        )
-        offload = CPUOffloadPolicy() if plan.cpu_offload else OffloadPolicy()
         # The mesh on this rank's own device: left out, fully_shard builds one on whatever
         # accelerator torch finds, so trainer_config.device=cpu on a GPU host would put the shards
         # on cuda:LOCAL_RANK behind a gloo-only group.
         mesh = init_device_mesh(self.device.type, (self.ctx.world_size,))
-        for module in [*model.blocks, model]:
-            fully_shard(
-                module,
-                mesh=mesh,
-                mp_policy=mp,
-                offload_policy=offload,
-                reshard_after_forward=plan.reshard_after_forward,
-            )
+        for block in model.blocks:
+            shard(block, mesh, plan)
+        shard(model, mesh, plan, root=True)
         return model
 
     def autocasts(self) -> bool:
@@ -133,5 +148,4 @@ class FSDPStrategy(Single):
         return snapshot.tensors(into=self.tensor_state() if snapshot.reshardable else None)
 
     def write_files(self, stage: str) -> str:
-        dcp.save(self.tensor_state(), storage_writer=dcp.FileSystemWriter(stage))
-        return stage
+        return write_dcp(self.tensor_state(), stage)

@@ -9,9 +9,11 @@ needs (bf16 has fp32's range and needs none), and how many bytes a rank holds of
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from mingpt_ddp.config.pipeline import PipelineConfig
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -30,10 +32,12 @@ class Plan:
     compile: bool = False
     tf32: bool = True
     activation_checkpointing: str = "none"  # none | full | every-K (checkpointing.py)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)  # degree 1: no pipeline
 
     @classmethod
-    def of(cls, c, device: torch.device) -> Plan:
-        """The plan a TrainerConfig describes on this device ("auto" precision decided here)."""
+    def of(cls, c, device: torch.device, pipeline: PipelineConfig | None = None) -> Plan:
+        """The plan a TrainerConfig (and PipelineConfig) describe on this device ("auto" precision
+        decided here)."""
         use_amp, amp_dtype, _ = choose_precision(c.use_amp, c.amp_dtype, device)
         return cls(
             c.parallel,
@@ -45,6 +49,7 @@ class Plan:
             c.compile,
             c.tf32,
             c.activation_checkpointing,
+            pipeline or PipelineConfig(),
         )
 
 

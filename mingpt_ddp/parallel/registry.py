@@ -18,6 +18,9 @@ STRATEGIES = {
     "ddp": "mingpt_ddp.parallel.ddp:DDPStrategy",
     "fsdp": "mingpt_ddp.parallel.fsdp:FSDPStrategy",
     "deepspeed": "mingpt_ddp.parallel.deepspeed:DeepSpeedStrategy",
+    # Not a value of trainer_config.parallel: chosen by pipeline_config.degree > 1, with its
+    # replicas over ddp or fsdp (parallel=).
+    "pipeline": "mingpt_ddp.parallel.pipeline:PipelineStrategy",
 }
 
 
@@ -28,6 +31,8 @@ def _load(path: str):
 
 def build_strategy(parallel: str, model: nn.Module, args):
     """The strategy named by trainer_config.parallel, built around model (a strategy.Strategy)."""
+    if args.plan.pipeline.degree > 1:
+        parallel = "pipeline"
     if parallel not in STRATEGIES:
         raise ConfigError(
             f"trainer_config.parallel={parallel} is not one of {', '.join(STRATEGIES)}"

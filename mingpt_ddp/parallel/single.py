@@ -86,7 +86,7 @@ class Single(Strategy):
 
     def set_attention_fp32(self, fp32: bool) -> None:
         self.attention_fp32 = fp32
-        for block in self.model.blocks:
+        for block in self.model.blocks.children():
             block.attn.fp32_under_autocast = fp32
 
     def autocasts(self) -> bool:

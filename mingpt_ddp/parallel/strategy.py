@@ -21,6 +21,7 @@ The contract, as the Trainer relies on it:
                                       synchronised) or None where this rank computed none, and
                                       whether the step was applied (the Trainer counts only those)
     strategy.evaluate(batches)        the mean loss over those batches, averaged over the ranks
+    strategy.sampling_model()         the module to generate text with (None: not on this rank)
     strategy.grad_norm()              the last step's global gradient norm, before clipping
     strategy.describe()               (mode, precision): the words of the start-up line
     strategy.optimizer_state_bytes()  what this rank holds of the optimizer state
@@ -35,17 +36,13 @@ The contract, as the Trainer relies on it:
 The control-plane collectives (the vote, gathers, means) come in StrategyArgs.control: a mode
 with its own ranks and transport (Horovod) brings its own ControlPlane.
 
-How the modes to come fit this contract:
+How the modes beyond data parallelism fit this contract:
 
-- Pipeline parallelism (torch.distributed.pipelining): the model is cut into stages, one per
-  rank of a pipeline group. train_step hands the n micro-batches to a schedule (GPipe, 1F1B),
-  which runs forward and backward together; only the last stage computes a loss, so it returns
-  (loss, True) there and (None, True) on the other stages, and the Trainer averages the losses
-  that exist. evaluate runs the schedule's forward only and broadcasts the last stage's loss
-  (through control). Clipping needs the norm over all stages: each stage's squared norm,
-  summed over the pipeline group, before any stage steps. forward_on_all_ranks is True (every
-  stage takes part in every forward); its state is per stage, written as DCP shards (a layout),
-  and check_snapshot refuses another number of stages.
+- Pipeline parallelism (pipeline.py): only the last stage computes a loss,
+  so train_step returns (None, True) on the other stages and the Trainer averages the losses that
+  exist; evaluate forwards through the stages and sums over the ranks that have a loss; clipping
+  sums each stage's squared norm over the pipeline; sampling_model puts the whole model together
+  on rank 0; the data share is the replica's, not the rank's (stages.replica).
 - Context parallelism: a context manager around forward and backward that shards the sequence
   dimension (torch's context_parallel), entered inside train_step and evaluate.
 - torchft: train_step asks the manager whether the step may commit after the gradients are
@@ -135,6 +132,12 @@ class Strategy:
             n += 1
         self.model.train()
         return self.control.mean(total / n).item()
+
+    def sampling_model(self) -> nn.Module | None:
+        """The model to generate text with: the plain module (its parameters may be shards, under
+        forward_on_all_ranks every rank samples); None where this rank has none (a pipeline puts
+        the whole model together on rank 0)."""
+        return self.model
 
     def precision_context(self) -> AbstractContextManager:
         """The forward pass's precision context (none: the mode casts the parameters itself)."""

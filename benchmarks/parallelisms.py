@@ -1,0 +1,332 @@
+"""Every parallel layout measured against its formulas: one run, one table, the hardware named.
+
+    python benchmarks/parallelisms.py --quick --out benchmarks/results/parallelisms_quick.json
+    python benchmarks/parallelisms.py --out benchmarks/results/parallelisms.json   # gpt-micro
+
+Each layout trains a few steps on random token windows through the project's own strategies
+(mingpt_ddp/parallel/), under torchrun with one rank per stage x replica: the data-parallel
+layouts on a global batch of G windows, a pipeline on m microbatches of a fixed mb windows per
+replica (so a microbatch costs the same at every m, as the bubble formula assumes). Per layout,
+per rank:
+- max_abs_loss_diff: the largest difference of a step's loss to one process's (the parent runs
+  that reference in-process, parallel=none, on the same global batches);
+- sent bytes per step, counted on one steady step (the third: the first exchanges pipeline
+  shapes, the second rebuilds DDP's buckets) by comm_bytes.CountBytes, a dispatch mode over the
+  c10d ops, beside the formula (formula_bytes below) in the same unit, ring algorithms assumed;
+- memory: parameters, gradients (one per parameter at the step's peak) and optimizer state this
+  rank holds, and activations: the most bytes of tensors saved for backward alive at once
+  (saved-tensor hooks; the parameters saved by matmuls left out);
+- pipelines: the bubble, each rank's idle share of the schedule's step: 1 - (time inside its
+  stages' forward and backward chunks and the loss) / (the step's wall time), median of the timed
+  steps, beside (p - 1) / (m + p - 1) (GPipe, 1F1B) or (p - 1) / (v m + p - 1) (interleaved, v
+  stages per rank). The formula assumes equal stages and free hand-offs; with more ranks than
+  cores (dp2 x pp2 on 2 cores) ranks wait for a core too, so read those bubbles as noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.common import hardware  # noqa: E402
+from benchmarks.probes import SavedBytes, StageClock  # noqa: E402
+
+VOCAB = 65
+# The model, the data-parallel layouts' global batch (G windows of T tokens), a pipeline
+# microbatch (mb windows: fixed, so every microbatch costs the same at every m, as the bubble
+# formula assumes; a pipeline's global batch is m x mb x dp), and the steps of each run.
+SIZES = {
+    "quick": dict(n_layer=4, n_head=2, n_embd=32, T=32, G=16, mb=2, steps=6),
+    "full": dict(n_layer=4, n_head=4, n_embd=128, T=64, G=16, mb=4, steps=12),
+}
+WARMUP, COUNTED = 2, 2  # steps before the counted one; the counted step's index
+
+
+def layouts(size: dict) -> list[dict]:
+    """Every layout: dp, pp, parallel, schedule, m microbatches, v stages per rank, G windows."""
+    rows = [dict(dp=1, pp=1, parallel="none"), dict(dp=2, pp=1, parallel="ddp")]
+    rows.append(dict(dp=2, pp=1, parallel="fsdp"))
+    rows += [dict(dp=1, pp=2, parallel="ddp", schedule="gpipe", m=m) for m in (1, 2, 4, 8)]
+    rows += [dict(dp=1, pp=2, parallel="ddp", schedule="1f1b", m=m) for m in (2, 4, 8)]
+    rows.append(dict(dp=1, pp=2, parallel="ddp", schedule="interleaved1f1b", m=4, v=2))
+    rows.append(dict(dp=2, pp=2, parallel="ddp", schedule="gpipe", m=4))
+    rows.append(dict(dp=2, pp=2, parallel="ddp", schedule="1f1b", m=4))
+    for r in rows:
+        r["G"] = r["m"] * size["mb"] * r["dp"] if r["pp"] > 1 else size["G"]
+    return rows
+
+
+def batches(size: dict, step: int, G: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's global batch of G random token windows (the same for every layout of that G)."""
+    gen = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, VOCAB, (G, size["T"] + 1), generator=gen)
+    return ids[:, :-1], ids[:, 1:]  # (G, T) inputs and targets
+
+
+def build(layout: dict, size: dict, ctx):
+    """The model and the strategy this layout trains it with (registry: the project's modes)."""
+    from mingpt_ddp.config.deepspeed import DeepSpeedConfig
+    from mingpt_ddp.config.optimizer import OptimizerConfig
+    from mingpt_ddp.config.pipeline import PipelineConfig
+    from mingpt_ddp.parallel.plan import Plan
+    from mingpt_ddp.parallel.registry import build_strategy
+    from mingpt_ddp.parallel.strategy import StrategyArgs
+    from mingpt_ddp.runtime.distributed import ControlPlane
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    shape = {k: size[k] for k in ("n_layer", "n_head", "n_embd")}
+    model = GPT(GPTConfig(**shape, vocab_size=VOCAB, block_size=size["T"]))
+    pipeline = PipelineConfig(
+        layout["pp"], layout.get("schedule", "1f1b"), layout.get("m", 4), layout.get("v", 2)
+    )
+    plan = Plan(parallel=layout["parallel"], use_amp=False, pipeline=pipeline)
+    args = StrategyArgs(
+        plan,
+        ctx,
+        OptimizerConfig(),
+        layout["G"] // layout["dp"],
+        1,
+        ControlPlane(),
+        DeepSpeedConfig(),
+    )
+    return model, build_strategy(layout["parallel"], model, args)
+
+
+def share(layout: dict, step: int, size: dict, replica: int) -> list:
+    """This replica's windows of a step's global batch, as the one micro-batch of the step."""
+    x, y = batches(size, step, layout["G"])
+    return [(x[replica :: layout["dp"]], y[replica :: layout["dp"]])]
+
+
+def bubble_formula(layout: dict) -> float | None:
+    if layout["pp"] == 1:
+        return None
+    p, m = layout["pp"], layout["m"]
+    v = layout.get("v", 1) if layout["schedule"] == "interleaved1f1b" else 1
+    return (p - 1) / (v * m + p - 1)
+
+
+def formula_bytes(layout: dict, strategy, size: dict) -> float:
+    """What this rank should send in one step (ring algorithms; comm_bytes's module docstring)."""
+    from benchmarks.comm_bytes import fsdp_formula, ring_sent_bytes
+
+    C, T, G = size["n_embd"], size["T"], layout["G"]
+    dp, pp = layout["dp"], layout["pp"]
+    if pp == 1:
+        if dp == 1:
+            return 0.0
+        if layout["parallel"] == "fsdp":
+            whole = type(strategy.model)(strategy.model.config)  # unsharded shapes, padded
+            gather, scatter = fsdp_formula(whole, dp)
+            return gather + scatter
+        params = sum(p.numel() * p.element_size() for p in strategy.model.parameters())
+        return ring_sent_bytes("all_reduce", params, dp)
+    return pipeline_bytes(layout, strategy, C, T, G)
+
+
+def pipeline_bytes(layout: dict, strategy, C: int, T: int, G: int) -> float:
+    """Activations forward and their gradients back (every microbatch, every hand-off this rank
+    makes), the tied matrix's gradient between first and last stage, the norm over the stages,
+    and DDP's all-reduce of this rank's stages over the replicas."""
+    from benchmarks.comm_bytes import ring_sent_bytes
+
+    dp, pp, m, n = layout["dp"], layout["pp"], layout["m"], strategy.cfg.stages
+    act = G // dp // m * T * C * 4  # one microbatch's (mb, T, C) fp32 activations
+    sent = sum(m * act * ((i < n - 1) + (i > 0)) for i in strategy.ids)
+    if strategy.tie_group is not None:
+        sent += ring_sent_bytes("all_reduce", strategy.tied[0].numel() * 4, 2)
+    sent += ring_sent_bytes("all_reduce", 4, pp)  # the squared norm, over the stages
+    params = {id(p): p for s in strategy.stages for p in s.parameters()}.values()
+    return sent + ring_sent_bytes("all_reduce", sum(p.numel() * 4 for p in params), dp)
+
+
+def measure(layout: dict, size: dict) -> dict:
+    """One rank's run of a layout: losses, counted bytes, memory, idle shares."""
+    import torch.distributed as dist
+
+    from benchmarks.comm_bytes import CountBytes
+    from mingpt_ddp.parallel.plan import local_bytes
+    from mingpt_ddp.parallel.stages import replica
+    from mingpt_ddp.runtime.distributed import DistContext
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ctx = DistContext(rank, rank, world, torch.device("cpu"), local_world_size=world)
+    _, strategy = build(layout, size, ctx)
+    r, _ = replica(rank, world, layout["pp"])
+    params = [p for opt in strategy.optimizers for g in opt.param_groups for p in g["params"]]
+    losses, idle, sent, ops, saved = [], [], 0.0, {}, SavedBytes(params)
+    if layout["pp"] > 1:  # the schedule's step alone: the optimizer's step is no bubble
+        strategy.schedule.step = StageClock.timed(strategy.schedule.step, "wall")
+    for step in range(size["steps"]):
+        work = share(layout, step, size, r)
+        StageClock.busy = StageClock.wall = 0.0
+        if step == COUNTED:
+            with CountBytes() as counter, saved.hooks():
+                loss, _ = strategy.train_step(iter(work), 1)
+            sent, ops = counter.sent_bytes(), {op: b for op, _, _, _, b in counter.rows()}
+        else:
+            loss, _ = strategy.train_step(iter(work), 1)
+        if step > COUNTED and layout["pp"] > 1:
+            idle.append(1 - StageClock.busy / StageClock.wall)
+        losses.append(None if loss is None else loss.item())
+    return {
+        "losses": losses,
+        "sent": sent,
+        "ops": ops,
+        "formula": formula_bytes(layout, strategy, size),
+        "idle": statistics.median(idle) if idle else None,
+        "params": local_bytes(params),
+        "optimizer": strategy.optimizer_state_bytes(),
+        "saved": saved.peak,
+    }
+
+
+def worker() -> None:
+    """Under torchrun: one rank of the layout in $PARALLELISMS_LAYOUT; its numbers to $OUT."""
+    import torch.distributed as dist
+
+    from mingpt_ddp.runtime.distributed import exit_process
+
+    layout, size = json.loads(os.environ["PARALLELISMS_LAYOUT"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    StageClock.install()
+    result = measure(layout, size)
+    path = Path(os.environ["PARALLELISMS_OUT"]) / f"rank{dist.get_rank()}.json"
+    path.write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+    exit_process(0)  # past gloo's exit-time destructors, which abort now and then
+
+
+def reference(size: dict, G: int) -> list[float]:
+    """One process (parallel=none) over the same global batches: the losses to compare with."""
+    from mingpt_ddp.runtime.distributed import DistContext
+
+    torch.set_num_threads(1)
+    layout = dict(dp=1, pp=1, parallel="none", G=G)
+    _, strategy = build(layout, size, DistContext(0, 0, 1, torch.device("cpu")))
+    steps = range(size["steps"])
+    return [strategy.train_step(iter(share(layout, s, size, 0)), 1)[0].item() for s in steps]
+
+
+def run_layout(layout: dict, size: dict) -> list[dict]:
+    """Every rank's numbers for one layout, from a torchrun of this file."""
+    nproc = layout["dp"] * layout["pp"]
+    with tempfile.TemporaryDirectory() as out:
+        env = dict(os.environ, PARALLELISMS_LAYOUT=json.dumps([layout, size]), PARALLELISMS_OUT=out)
+        env["OMP_NUM_THREADS"] = "1"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd += [f"--nproc_per_node={nproc}", __file__]
+        done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
+        if done.returncode:
+            sys.exit(f"{layout}: exit {done.returncode}\n{done.stderr[-3000:]}")
+        return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def row(layout: dict, ranks: list[dict], expected: list[float]) -> dict:
+    """One table row: the layout, its loss difference, bytes, memory and bubble (rank means)."""
+    steps = zip(*[r["losses"] for r in ranks])  # per step: every rank's loss or None
+    losses = [statistics.fmean(v for v in per_step if v is not None) for per_step in steps]
+    idle = [r["idle"] for r in ranks if r["idle"] is not None]
+    mean = lambda key: statistics.fmean(r[key] for r in ranks)
+    pipeline = layout["pp"] > 1
+    return {
+        "layout": label(layout),
+        "degrees": {"dp": layout["dp"], "pp": layout["pp"], "tp": 1, "cp": 1},
+        "global_batch": layout["G"],
+        "parallel": layout["parallel"],
+        "schedule": layout.get("schedule") if pipeline else None,
+        "microbatches": layout.get("m") if pipeline else None,
+        "stages_per_rank": layout.get("v", 1) if pipeline else None,
+        "max_abs_loss_diff": max(abs(a - b) for a, b in zip(losses, expected)),
+        "sent_bytes_per_step": mean("sent"),
+        "sent_bytes_formula": mean("formula"),
+        "sent_bytes_per_rank": [r["sent"] for r in ranks],
+        "sent_bytes_by_op": [r["ops"] for r in ranks],  # per rank: {c10d op: bytes sent}
+        "bubble_measured": statistics.fmean(idle) if idle else None,
+        "bubble_per_rank": idle or None,
+        "bubble_formula": bubble_formula(layout),
+        "param_bytes_per_rank": max(r["params"] for r in ranks),
+        "grad_bytes_per_rank": max(r["params"] for r in ranks),
+        "optimizer_bytes_per_rank": max(r["optimizer"] for r in ranks),
+        "activation_bytes_per_rank": max(r["saved"] for r in ranks),
+    }
+
+
+def label(layout: dict) -> str:
+    """A layout in words: "dp2 ddp", "pp2 1f1b m=4", "dp2 ddp x pp2 gpipe m=4", "one process"."""
+    parts = [f"dp{layout['dp']} {layout['parallel']}"] if layout["dp"] > 1 else []
+    if layout["pp"] > 1:
+        v = f" v={layout['v']}" if layout["schedule"] == "interleaved1f1b" else ""
+        parts.append(f"pp{layout['pp']} {layout['schedule']} m={layout['m']}{v}")
+    return " x ".join(parts) or "one process"
+
+
+def table(rows: list[dict]) -> str:
+    """The markdown table (bytes per rank; bubbles as idle shares of the schedule's step)."""
+    head = (
+        "| layout | windows/step | max loss diff | sent B/step (counted) | formula | "
+        "bubble measured | formula | params+grads+optim KB/rank | activations KB/rank |\n"
+        "|---|---|---|---|---|---|---|---|---|"
+    )
+    fmt = lambda x, f: "-" if x is None else format(x, f)
+    lines = [head]
+    for r in rows:
+        state = r["param_bytes_per_rank"] + r["grad_bytes_per_rank"] + r["optimizer_bytes_per_rank"]
+        lines.append(
+            f"| {r['layout']} | {r['global_batch']} | {r['max_abs_loss_diff']:.1e} | "
+            f"{r['sent_bytes_per_step']:,.0f} | "
+            f"{r['sent_bytes_formula']:,.0f} | {fmt(r['bubble_measured'], '.3f')} | "
+            f"{fmt(r['bubble_formula'], '.3f')} | {state / 1e3:,.1f} | "
+            f"{r['activation_bytes_per_rank'] / 1e3:,.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a tiny model, 6 steps (a few minutes)")
+    p.add_argument("--out", help="write the JSON here (and the markdown table beside it, .md)")
+    p.add_argument("--only", help='comma-separated layouts to run (e.g. "dp2 ddp,pp2 1f1b m=2")')
+    args = p.parse_args()
+    size = SIZES["quick" if args.quick else "full"]
+    t0, expected, rows = time.perf_counter(), {}, []
+    chosen = [w.strip() for w in args.only.split(",")] if args.only else None
+    for layout in layouts(size):
+        if chosen is not None and label(layout) not in chosen:
+            continue
+        if layout["G"] not in expected:
+            expected[layout["G"]] = reference(size, layout["G"])
+        rows.append(row(layout, run_layout(layout, size), expected[layout["G"]]))
+        print(f"{rows[-1]['layout']}: done ({time.perf_counter() - t0:.0f} s)", flush=True)
+    result = {
+        "hardware": hardware(),
+        "size": size,
+        "torch": torch.__version__,
+        "rows": rows,
+    }
+    print(f"\n{result['hardware']}\n{table(rows)}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        Path(args.out).with_suffix(".md").write_text(table(rows) + "\n")
+
+
+if __name__ == "__main__":
+    if "PARALLELISMS_LAYOUT" in os.environ:
+        worker()
+    else:
+        main()

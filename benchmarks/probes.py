@@ -1,0 +1,64 @@
+"""What a training step did, measured from inside: the bytes of tensors saved for backward at
+their peak (SavedBytes), and the time a pipeline's ranks spent computing in their stages
+(StageClock). benchmarks/parallelisms.py uses both."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class SavedBytes:
+    """The bytes of tensors saved for backward alive at once, at their peak (saved-tensor hooks);
+    a storage counted once however often it is saved, parameters left out."""
+
+    def __init__(self, params):
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self.ref = StorageWeakRef
+        self.skip = {p.untyped_storage()._cdata for p in params}
+        self.live: dict[int, tuple] = {}
+        self.peak = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key not in self.skip and key not in self.live:
+            self.live[key] = (self.ref(storage), storage.nbytes())
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        return t
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+
+class StageClock:
+    """Time spent computing inside the pipeline's stages (forward and backward chunks, the loss),
+    summed over a step: what the rank was busy with; the rest of the step it waited."""
+
+    busy = wall = 0.0
+
+    @classmethod
+    def install(cls) -> None:
+        from torch.distributed.pipelining import schedules, stage
+
+        targets = [
+            (stage._PipelineStageBase, "forward_one_chunk"),
+            (stage._PipelineStageBase, "backward_one_chunk"),
+            (schedules._PipelineSchedule, "_compute_loss"),
+        ]
+        for owner, name in targets:
+            setattr(owner, name, cls.timed(getattr(owner, name)))
+
+    @classmethod
+    def timed(cls, method, into: str = "busy"):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                setattr(cls, into, getattr(cls, into) + time.perf_counter() - t0)
+
+        return run

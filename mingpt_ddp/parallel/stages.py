@@ -1,0 +1,122 @@
+"""Cutting the GPT into pipeline stages, and where each stage and each replica lives.
+
+The ranks form a grid with two named dimensions, a DeviceMesh ("pp", "dp") (torchtitan's order:
+pp outermost): global rank = pp_rank * dp + dp_rank. A *row* (one dp_rank, every pp_rank) is one
+whole pipeline, one replica of the model; a *column* (one pp_rank) holds the same stage in every
+replica and averages its gradients over DDP or FSDP. With 4 ranks, 2 stages x 2 replicas:
+
+    stage 0: ranks 0, 1   (replica 0, replica 1)
+    stage 1: ranks 2, 3
+
+Every rank of a row reads the same windows (its replica's share of the global batch).
+
+A stage is a copy of the model with the parts it does not hold set to None: blocks [lo, hi), the
+token and position embeddings on the first stage, the final LayerNorm and the head on the last.
+Every parameter keeps the name it has in the whole model ("blocks.3.mlp.fc.weight"), so a stage's
+state dict is a piece of the whole model's and snapshots written by one cut load into another.
+With tied embeddings the first and the last stage each hold a copy of the one tied matrix (as
+"wte.weight" and "lm_head.weight", the names the whole model's state dict has for it too).
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from mingpt_ddp.errors import ConfigError
+
+
+def grid(rank: int, world_size: int, degree: int) -> tuple[int, int, int]:
+    """(pp_rank, dp_rank, dp): this rank's stage column and replica row, and how many replicas."""
+    if world_size % degree:
+        raise ConfigError(
+            f"pipeline_config.degree={degree} must divide the world size {world_size} (the "
+            "ranks form stages x replicas); launch a multiple of it or change the degree"
+        )
+    dp = world_size // degree
+    return rank // dp, rank % dp, dp
+
+
+def replica(rank: int, world_size: int, degree: int) -> tuple[int, int]:
+    """(dp_rank, dp): which replica's share of the data this rank reads, and how many there are.
+    Without a pipeline (degree 1) every rank is a replica of its own."""
+    _, dp_rank, dp = grid(rank, world_size, degree)
+    return dp_rank, dp
+
+
+def block_ranges(n_layer: int, stages: int) -> list[range]:
+    """The blocks of each stage, as even as whole blocks allow (the earlier stages take one more:
+    the last stage also runs the head and the loss)."""
+    if stages > n_layer:
+        raise ConfigError(
+            f"a pipeline of {stages} stages needs at least {stages} blocks, the model has "
+            f"{n_layer}: lower pipeline_config.degree (or stages_per_rank), or raise "
+            "gpt_config.n_layer"
+        )
+    size, extra = divmod(n_layer, stages)
+    starts = [i * size + min(i, extra) for i in range(stages + 1)]
+    return [range(starts[i], starts[i + 1]) for i in range(stages)]
+
+
+def cut(model: nn.Module, blocks: range, first: bool, last: bool) -> nn.Module:
+    """A copy of model holding only `blocks` (with the embeddings if first, the final LayerNorm
+    and the head if last), parameter names unchanged. Its forward is model.run: activations (or
+    token ids) in, activations (or logits) out, which is what torch's PipelineStage passes on."""
+    stage = copy.deepcopy(model)
+    # A ModuleDict keyed by the block's number keeps the names "blocks.<i>." of the whole model.
+    stage.blocks = nn.ModuleDict({str(i): stage.blocks[i] for i in blocks})
+    if not first:
+        stage.wte = stage.wpe = None
+    if not last:
+        stage.ln_f = stage.lm_head = None
+    stage.forward = stage.run  # an instance attribute: nn.Module.__call__ finds it first
+    return stage
+
+
+def stage_ids(pp_rank: int, degree: int, stages: int) -> list[int]:
+    """The stages a rank holds: its own column's, pp_rank, pp_rank + degree, ... (the looped
+    placement interleaved 1F1B expects: consecutive stages on consecutive ranks)."""
+    return list(range(pp_rank, stages, degree))
+
+
+def forward_through(
+    stages: list[nn.Module], ids: list[int], row: list[int], x: torch.Tensor, n_stages: int
+) -> torch.Tensor | None:
+    """Collective over one row: token ids x (B, T) through every stage in order, each stage's
+    (B, T, C) output sent in fp32 from its rank to the next stage's (row: the row's global ranks
+    in pp order; stages, ids: this rank's). A plain forward of any batch shape, for evaluation;
+    returns the logits (B, T, V) on the rank of the last stage, None on the others."""
+    mine, degree, h = dict(zip(ids, stages)), len(row), x
+    width = stages[0].config.n_embd
+    for i in mine:  # ascending: a rank's stages come around once per lap of the row
+        if i > 0:
+            h = torch.empty(*x.shape, width, device=x.device)  # (B, T, C)
+            dist.recv(h, src=row[(i - 1) % degree])
+        h = mine[i](h)
+        if i < n_stages - 1:
+            dist.send(h.float().contiguous(), dst=row[(i + 1) % degree])
+    return h if ids[-1] == n_stages - 1 else None
+
+
+class Stage(PipelineStage):
+    """torch's PipelineStage, its first-step shape inference kept away from DDP's gradient sync.
+
+    On its first step the stage runs its module once on meta tensors to learn the shapes it will
+    send (_forward_metadata_inference, torch 2.13), with gradients on and outside DDP's no_sync.
+    DDP's forward then arms the reducer (prepare_for_backward), so the first real microbatch's
+    backward, meant to accumulate locally, all-reduces and records every parameter for DDP's
+    bucket rebuild; the last microbatch records them again. 1F1B survives it (the rebuild comes
+    between, the extra average is harmless arithmetic), but under GPipe the next step's first
+    forward fails DDP's check ("rebuilt parameter indices size is not same as original model
+    parameters size ... 26 versus 52"). Run under no_sync, the inference arms nothing."""
+
+    def _forward_metadata_inference(self, *args, **kwargs):
+        quiet = self.submod.no_sync() if isinstance(self.submod, DDP) else nullcontext()
+        with quiet:
+            return super()._forward_metadata_inference(*args, **kwargs)

@@ -1,0 +1,217 @@
+"""Pipeline parallelism (pipeline_config): stages x replicas train what one process trains, a
+SIGKILLed pipeline resumes exactly, its snapshots reshard to another cut, and what it cannot run
+is refused in one line.
+
+Every run is 8 steps of a 4-block tiny model with a global batch of 8 windows: one process with
+batch_size 8, or a pipeline of 2 stages (batch_size 8, 4 microbatches of 2), or 2 stages x 2
+replicas (batch_size 4 each, 4 microbatches of 1). The same windows in the same order, so the
+losses must agree to float rounding.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO, run_main, start_main, tiny_overrides
+
+from mingpt_ddp.config.optimizer import OptimizerConfig
+from mingpt_ddp.config.pipeline import PipelineConfig
+from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.metrics import MetricsLog
+from mingpt_ddp.parallel.plan import Plan
+from mingpt_ddp.parallel.stages import block_ranges, cut, grid, stage_ids
+
+FAULTY = REPO / "tests" / "faulty_main.py"
+FOUR_BLOCKS = ["gpt_config.n_layer=4"]
+STEPS = dict(max_steps=8, log_every=1, eval_every=4, save_every=4)
+
+
+def pipeline(degree=2, schedule="1f1b", **more) -> list[str]:
+    keys = {"degree": degree, "schedule": schedule, "microbatches": 4, **more}
+    return [f"pipeline_config.{k}={v}" for k, v in keys.items()]
+
+
+def ok(result) -> str:
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
+    return result.stdout
+
+
+def history(run_dir) -> list[dict]:
+    return MetricsLog.read(str(run_dir / "metrics.jsonl"))
+
+
+def assert_same_run(a: list[dict], b: list[dict], steps: int) -> None:
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, steps + 1))
+    for x, y in zip(a, b):
+        assert abs(x["train_loss"] - y["train_loss"]) <= 1e-5, (x, y)
+        assert abs(x["grad_norm"] - y["grad_norm"]) <= 1e-4 * max(1.0, x["grad_norm"]), (x, y)
+        assert abs(x.get("val_loss", 0) - y.get("val_loss", 0)) <= 1e-5, (x, y)
+
+
+@pytest.fixture(scope="module")
+def one_process(shakespeare, tmp_path_factory):
+    """The reference: one process, batch_size 8, 8 steps; its run directory."""
+    run_dir = tmp_path_factory.mktemp("one-process")
+    ok(run_main(tiny_overrides(shakespeare, run_dir, batch_size=8, **STEPS) + FOUR_BLOCKS))
+    return run_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "nproc, parallel, schedule",
+    [
+        (2, "ddp", "gpipe"),
+        (2, "ddp", "1f1b"),
+        (2, "ddp", "interleaved1f1b"),  # 4 stages of 1 block, 2 on each rank
+        (4, "ddp", "gpipe"),  # 2 stages x 2 replicas (GPipe once broke DDP: pipeline.Stage)
+        (4, "fsdp", "1f1b"),
+    ],
+)
+def test_a_pipeline_trains_what_one_process_trains(
+    nproc, parallel, schedule, one_process, shakespeare, tmp_path
+):
+    batch_size = 8 * 2 // nproc  # per replica: the global batch stays 8
+    args = tiny_overrides(
+        shakespeare,
+        tmp_path,
+        batch_size=batch_size,
+        parallel=parallel,
+        **STEPS,
+        trace_samples_path=tmp_path / "trace",
+    )
+    out = ok(run_main(args + FOUR_BLOCKS + pipeline(schedule=schedule), nproc=nproc))
+    stages = 4 if schedule == "interleaved1f1b" else 2
+    assert f"pipeline {stages} stages ({schedule}, 4 microbatches) x {nproc // 2} repl" in out
+    assert_same_run(history(one_process), history(tmp_path), 8)
+    # Both stages of a replica read its windows; the replicas read different ones.
+    reads = [(tmp_path / "trace" / f"rank{r}.jsonl").read_text() for r in range(nproc)]
+    replicas = nproc // 2
+    assert reads[0] == reads[replicas] and (replicas == 1 or reads[0] != reads[1])
+
+
+@pytest.mark.slow
+def test_a_sigkilled_stage_restarts_and_the_pipeline_resumes_exactly_then_reshards(
+    one_process, shakespeare, tmp_path
+):
+    args = tiny_overrides(shakespeare, tmp_path, batch_size=8, **STEPS) + FOUR_BLOCKS
+    job = start_main(
+        args + pipeline(),
+        nproc=2,
+        script=FAULTY,
+        env={"FAULT": "kill:1:6"},
+        torchrun_flags=("--max-restarts=1", "--monitor-interval=0.5"),
+    )
+    out, _ = job.communicate(timeout=240)
+    assert job.returncode == 0, out[-3000:]
+    assert "fault | rank 1 | kill before step 7" in out and "resume | step 4 |" in out, out
+    assert_same_run(history(one_process), history(tmp_path), 8)  # steps 5-6 redone alike
+
+    # Resharded: the 2-stage snapshot read by 4 stages of 1 block (interleaved), 4 more steps;
+    # one process resumed from its own step-8 snapshot takes the same 4 steps.
+    more = dict(STEPS, max_steps=12)
+    one = tmp_path.parent / f"{tmp_path.name}-one"
+    shutil.copytree(one_process, one)
+    ok(run_main(tiny_overrides(shakespeare, one, batch_size=8, **more) + FOUR_BLOCKS))
+    args = tiny_overrides(shakespeare, tmp_path, batch_size=8, **more) + FOUR_BLOCKS
+    out = ok(run_main(args + pipeline(schedule="interleaved1f1b"), nproc=2))
+    assert "resume | step 8 |" in out and "pipeline 4 stages (interleaved1f1b" in out
+    assert_same_run(history(one), history(tmp_path), 12)
+
+    # A run without a pipeline refuses the pipeline's snapshot, naming what to launch.
+    refused = run_main(args)
+    assert refused.returncode == 1
+    assert "was written by a pipeline of 2 stages in a row; resume it with" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------- in process
+
+
+def test_the_settings_a_pipeline_cannot_run_are_refused_naming_the_fix():
+    with pytest.raises(ConfigError, match="at least as many microbatches as stages"):
+        PipelineConfig(degree=4, schedule="1f1b", microbatches=2)
+    PipelineConfig(degree=4, schedule="gpipe", microbatches=2)  # GPipe runs any count
+    with pytest.raises(ConfigError, match="make pipeline_config.microbatches a multiple of 2"):
+        PipelineConfig(degree=2, schedule="interleaved1f1b", microbatches=5)
+    with pytest.raises(ConfigError, match="schedule must be gpipe, 1f1b, interleaved1f1b"):
+        PipelineConfig(schedule="zb")
+    with pytest.raises(ConfigError, match="must divide the world size 3"):
+        grid(0, 3, 2)
+    with pytest.raises(ConfigError, match="needs at least 5 blocks, the model has 4"):
+        block_ranges(4, 5)
+
+
+@pytest.mark.parametrize(
+    "plan, optimizer, refused",
+    [
+        (Plan(parallel="deepspeed"), "adamw", "not parallel=deepspeed"),
+        (Plan(use_amp=True, amp_dtype="fp16"), "adamw", "use trainer_config.amp_dtype=bf16"),
+        (Plan(parallel="fsdp"), "muon", "optimizer=muon needs each weight matrix whole"),
+        (Plan(grad_reduce="via_rank0"), "adamw", "grad_reduce=via_rank0 is a DDP"),
+    ],
+)
+def test_a_pipeline_refuses_modes_it_would_run_wrongly(plan, optimizer, refused):
+    from mingpt_ddp.parallel.pipeline import PipelineStrategy
+    from mingpt_ddp.parallel.strategy import StrategyArgs
+
+    args = StrategyArgs(plan, None, OptimizerConfig(optimizer=optimizer), 4, 1, None, None)
+    with pytest.raises(ConfigError, match=refused):
+        PipelineStrategy.check(args)
+    PipelineStrategy.check(
+        StrategyArgs(Plan(), None, OptimizerConfig(optimizer="muon"), 4, 1, None, None)
+    )  # Muon over DDP replicas: whole matrices
+
+
+def test_stages_hold_the_whole_models_parameters_under_its_names():
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=5, n_head=2, n_embd=16, vocab_size=11, block_size=8))
+    ranges = block_ranges(5, 3)
+    assert [list(r) for r in ranges] == [[0, 1], [2, 3], [4]]
+    stages = [cut(model, r, i == 0, i == 2) for i, r in enumerate(ranges)]
+    whole = model.state_dict()
+    pieces = {k: v for s in stages for k, v in s.state_dict().items()}
+    assert (
+        pieces.keys() == whole.keys()
+    )  # lm_head.weight (tied) on the last stage, wte on the first
+    assert all(torch.equal(pieces[k], whole[k]) for k in whole)
+    h = x = torch.randint(0, 11, (2, 8))
+    for stage in stages:
+        h = stage(h)
+    assert torch.allclose(h, model(x)[0])  # the stages in a row compute the whole model
+    assert stage_ids(1, 2, 4) == [1, 3] and stage_ids(0, 2, 2) == [0]
+
+
+def test_the_replica_not_the_rank_decides_the_data_share():
+    assert [grid(r, 4, 2) for r in range(4)] == [(0, 0, 2), (0, 1, 2), (1, 0, 2), (1, 1, 2)]
+    assert json.dumps(grid(3, 4, 1)) == "[0, 3, 4]"  # no pipeline: every rank its own replica
+
+
+@pytest.mark.slow
+def test_parallelisms_counts_the_bytes_the_formulas_predict_and_matches_one_process(tmp_path):
+    out = tmp_path / "parallelisms.json"
+    only = "pp2 gpipe m=4,pp2 1f1b m=4"
+    script = str(REPO / "benchmarks" / "parallelisms.py")
+    result = subprocess.run(
+        [sys.executable, script, "--quick", "--out", str(out), "--only", only],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = {r["layout"]: r for r in report["rows"]}
+    assert sorted(rows) == sorted(only.split(",")) and report["hardware"]["device"]
+    for r in rows.values():
+        assert r["max_abs_loss_diff"] <= 1e-4, r
+        assert r["sent_bytes_per_step"] == r["sent_bytes_formula"] > 0, r  # counted = predicted
+    gpipe, one_f_one_b = rows["pp2 gpipe m=4"], rows["pp2 1f1b m=4"]
+    assert gpipe["bubble_formula"] == one_f_one_b["bubble_formula"] == 1 / 5
+    assert 0 < gpipe["bubble_measured"] < 1 and len(gpipe["bubble_per_rank"]) == 2
+    # GPipe holds all 4 microbatches' activations at its peak, 1F1B at most 2 (p) on stage 0.
+    assert gpipe["activation_bytes_per_rank"] > 1.5 * one_f_one_b["activation_bytes_per_rank"]
+    assert "| pp2 1f1b m=4 | 8 |" in out.with_suffix(".md").read_text()
