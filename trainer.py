@@ -29,9 +29,8 @@ from mingpt_ddp.config.pipeline import PipelineConfig
 from mingpt_ddp.config.trainer import TrainerConfig
 from mingpt_ddp.metrics import LogWindow, MetricsLog, ProgressLine, format_duration, peak_memory
 from mingpt_ddp.optim import set_learning_rates
-from mingpt_ddp.parallel.plan import Plan, set_tf32
+from mingpt_ddp.parallel.plan import Plan, replica, set_tf32
 from mingpt_ddp.parallel.registry import build_strategy
-from mingpt_ddp.parallel.stages import replica
 from mingpt_ddp.parallel.strategy import Batch, StrategyArgs
 from mingpt_ddp.runtime.distributed import ControlPlane, DistContext, print0
 from mingpt_ddp.runtime.signals import StopSignals

@@ -158,8 +158,7 @@ def measure(layout: dict, size: dict) -> dict:
     import torch.distributed as dist
 
     from benchmarks.comm_bytes import CountBytes
-    from mingpt_ddp.parallel.plan import local_bytes
-    from mingpt_ddp.parallel.stages import replica
+    from mingpt_ddp.parallel.plan import local_bytes, replica
     from mingpt_ddp.runtime.distributed import DistContext
 
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -49,14 +49,13 @@ from mingpt_ddp.errors import ConfigError, SnapshotMismatch
 from mingpt_ddp.optim import build_optimizers, check_muon_supported
 from mingpt_ddp.parallel.checkpointing import apply_activation_checkpointing, checkpointing_words
 from mingpt_ddp.parallel.fsdp import DCP_FILES, shard, write_dcp
-from mingpt_ddp.parallel.plan import grad_scaler
+from mingpt_ddp.parallel.plan import grad_scaler, grid
 from mingpt_ddp.parallel.single import Single, check_no_foreign_options
 from mingpt_ddp.parallel.stages import (
     Stage,
     block_ranges,
     cut,
     forward_through,
-    grid,
     stage_ids,
 )
 from mingpt_ddp.parallel.strategy import Batch, Strategy, StrategyArgs

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mingpt_ddp.config.pipeline import PipelineConfig
+from mingpt_ddp.errors import ConfigError
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -51,6 +52,25 @@ class Plan:
             c.activation_checkpointing,
             pipeline or PipelineConfig(),
         )
+
+
+def grid(rank: int, world_size: int, degree: int) -> tuple[int, int, int]:
+    """(pp_rank, dp_rank, dp): this rank's stage column and replica row in a pipeline of degree
+    stages, and how many replicas (stages.py draws the grid)."""
+    if world_size % degree:
+        raise ConfigError(
+            f"pipeline_config.degree={degree} must divide the world size {world_size} (the "
+            "ranks form stages x replicas); launch a multiple of it or change the degree"
+        )
+    dp = world_size // degree
+    return rank // dp, rank % dp, dp
+
+
+def replica(rank: int, world_size: int, degree: int) -> tuple[int, int]:
+    """(dp_rank, dp): which replica's share of the data this rank reads, and how many there are.
+    Without a pipeline (degree 1) every rank is a replica of its own."""
+    _, dp_rank, dp = grid(rank, world_size, degree)
+    return dp_rank, dp
 
 
 def choose_precision(

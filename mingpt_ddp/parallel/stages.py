@@ -32,24 +32,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from mingpt_ddp.errors import ConfigError
 
 
-def grid(rank: int, world_size: int, degree: int) -> tuple[int, int, int]:
-    """(pp_rank, dp_rank, dp): this rank's stage column and replica row, and how many replicas."""
-    if world_size % degree:
-        raise ConfigError(
-            f"pipeline_config.degree={degree} must divide the world size {world_size} (the "
-            "ranks form stages x replicas); launch a multiple of it or change the degree"
-        )
-    dp = world_size // degree
-    return rank // dp, rank % dp, dp
-
-
-def replica(rank: int, world_size: int, degree: int) -> tuple[int, int]:
-    """(dp_rank, dp): which replica's share of the data this rank reads, and how many there are.
-    Without a pipeline (degree 1) every rank is a replica of its own."""
-    _, dp_rank, dp = grid(rank, world_size, degree)
-    return dp_rank, dp
-
-
 def block_ranges(n_layer: int, stages: int) -> list[range]:
     """The blocks of each stage, as even as whole blocks allow (the earlier stages take one more:
     the last stage also runs the head and the loss)."""

@@ -42,7 +42,7 @@ How the modes beyond data parallelism fit this contract:
   so train_step returns (None, True) on the other stages and the Trainer averages the losses that
   exist; evaluate forwards through the stages and sums over the ranks that have a loss; clipping
   sums each stage's squared norm over the pipeline; sampling_model puts the whole model together
-  on rank 0; the data share is the replica's, not the rank's (stages.replica).
+  on rank 0; the data share is the replica's, not the rank's (plan.replica).
 - Context parallelism: a context manager around forward and backward that shards the sequence
   dimension (torch's context_parallel), entered inside train_step and evaluate.
 - torchft: train_step asks the manager whether the step may commit after the gradients are
