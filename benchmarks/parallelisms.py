@@ -20,7 +20,9 @@ per rank:
   stages' forward and backward chunks and the loss) / (the step's wall time), median of the timed
   steps, beside (p - 1) / (m + p - 1) (GPipe, 1F1B) or (p - 1) / (v m + p - 1) (interleaved, v
   stages per rank). The formula assumes equal stages and free hand-offs; with more ranks than
-  cores (dp2 x pp2 on 2 cores) ranks wait for a core too, so read those bubbles as noise.
+  cores (dp2 x pp2 on 2 cores) ranks wait for a core too, so read those bubbles as noise; and
+  --quick's ops are so small that overheads make most of its steps: check losses and bytes with
+  it, measure bubbles with the full run.
 """
 
 from __future__ import annotations
@@ -298,7 +300,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="a tiny model, 6 steps (a few minutes)")
+    p.add_argument("--quick", action="store_true", help="a tiny model, 6 steps (about a minute)")
     p.add_argument("--out", help="write the JSON here (and the markdown table beside it, .md)")
     p.add_argument("--only", help='comma-separated layouts to run (e.g. "dp2 ddp,pp2 1f1b m=2")')
     args = p.parse_args()
