@@ -158,6 +158,9 @@ def test_a_pipeline_refuses_modes_it_would_run_wrongly(plan, optimizer, refused)
     args = StrategyArgs(plan, None, OptimizerConfig(optimizer=optimizer), 4, 1, None, None)
     with pytest.raises(ConfigError, match=refused):
         PipelineStrategy.check(args)
+    odd = StrategyArgs(Plan(), None, OptimizerConfig(), 6, 1, None, None)  # 6 windows, 4 pieces
+    with pytest.raises(ConfigError, match="do not cut into pipeline_config.microbatches=4 equal"):
+        PipelineStrategy.check(odd)
     PipelineStrategy.check(
         StrategyArgs(Plan(), None, OptimizerConfig(optimizer="muon"), 4, 1, None, None)
     )  # Muon over DDP replicas: whole matrices

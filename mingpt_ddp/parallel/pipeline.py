@@ -93,6 +93,17 @@ PIPELINE_FILES = FileLayout(
 )
 
 
+def check_microbatches(windows: int, microbatches: int) -> None:
+    """A replica's step must cut into equal microbatches: the schedule averages their mean losses,
+    which is the batch's mean only if they are the same size."""
+    if windows % microbatches:
+        raise ConfigError(
+            f"a step's {windows} windows per pipeline (batch_size x grad_accum_steps) do not cut "
+            f"into pipeline_config.microbatches={microbatches} equal pieces; make the "
+            "microbatches divide them"
+        )
+
+
 class PipelineStrategy(Single):
     """This rank's stages of the model, run by a torch.distributed.pipelining schedule."""
 
@@ -130,6 +141,7 @@ class PipelineStrategy(Single):
     @classmethod
     def check(cls, args: StrategyArgs) -> None:
         plan = args.plan
+        check_microbatches(args.batch_size * args.accum_steps, plan.pipeline.microbatches)
         if plan.parallel not in ("ddp", "fsdp"):
             raise ConfigError(
                 f"pipeline_config.degree > 1 runs its replicas over ddp or fsdp, not "
@@ -203,12 +215,7 @@ class PipelineStrategy(Single):
         self, batches: Iterator[Batch], n_micro: int
     ) -> tuple[torch.Tensor | None, bool]:
         x, y = (torch.cat(parts) for parts in zip(*batches))  # (n_micro * B, T) each
-        if x.size(0) % self.cfg.microbatches:
-            raise ConfigError(
-                f"a step's {x.size(0)} windows per pipeline (batch_size x grad_accum_steps) do not "
-                f"cut into pipeline_config.microbatches={self.cfg.microbatches} equal pieces; "
-                "make the microbatches divide them"
-            )
+        check_microbatches(x.size(0), self.cfg.microbatches)  # again: a resume may change n_micro
         losses: list[torch.Tensor] = []
         with self.precision_context():
             self.schedule.step(*self.inputs(x), target=y if self.has_last else None, losses=losses)
