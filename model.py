@@ -2,7 +2,8 @@
 
 This module owns the network and nothing else: no process groups, no DDP/FSDP
 wrapping, no data loading. A model built here runs the same in one process, under
-DDP or under FSDP, because all distributed wrapping happens in mingpt_ddp/parallel/plan.py.
+DDP, FSDP or cut into pipeline stages, because all distributed wrapping happens in the
+strategies of mingpt_ddp/parallel/ (a stage is a copy with some parts set to None: see run()).
 
 Shape notes use B = batch, T = time (sequence length), C = channels (n_embd),
 nh = number of heads, hs = head size (C // nh), V = vocabulary size.
