@@ -101,20 +101,26 @@ def test_submitit_runs_each_job_as_a_slurm_job_and_a_preempted_one_resumes(shake
             "hydra.launcher.mem_gb=null",
             "hydra.launcher.cpus_per_task=1",
             "optimizer_config.learning_rate=1e-3,8e-3",
-            *tiny(shakespeare, tmp_path, max_steps=300, save_every=100000, eval_every=100000),
+            # 1500 steps (a few seconds): time for the signal to land while the job trains.
+            *tiny(shakespeare, tmp_path, max_steps=1500, save_every=100000, eval_every=100000),
         ]
         proc = start(
             [sys.executable, MAIN, "--multirun", f"hydra.sweep.dir={tmp_path / 'sweep'}", *args],
             env={"SLURM_CONF": cluster.conf},
         )
         logs = lambda: "".join(p.read_text() for p in (tmp_path / "submitit").glob("*_log.out"))  # noqa: E731
-        wait_until(lambda: "| loss " in logs(), "a job to train", logs)
-        first = cluster.run("squeue", "-h", "-o", "%i").split()[0]
-        cluster.run("scancel", "--signal=USR2", first)  # what SLURM sends before a job's time limit
+        # The signal goes to a job that trains (its handler installed): one still starting would
+        # be requeued by submitit's own handler and start over, never saying it was preempted.
+        training = lambda: [  # noqa: E731
+            p for p in (tmp_path / "submitit").glob("*_log.out") if "| loss " in p.read_text()
+        ]
+        wait_until(training, "a job to train", logs)
+        victim = training()[0].name.removesuffix("_log.out").rsplit("_", 1)[0]  # <job>_<task>
+        cluster.run("scancel", "--signal=USR2", victim)  # what SLURM sends before a time limit
         out, _ = proc.communicate(timeout=240)
         assert proc.returncode == 0, out[-3000:]
         found = jobs(tmp_path)
-        assert len(found) == 2 and all(records[-1]["step"] == 300 for records in found.values())
+        assert len(found) == 2 and all(records[-1]["step"] == 1500 for records in found.values())
         assert "preempted | SIGUSR2 received | saving step " in logs(), logs()[-3000:]
         saved = int(logs().split("preempted | SIGUSR2 received | saving step ")[1].split(";")[0])
         assert f"resume | step {saved} |" in logs()  # the requeued job went on from its snapshot
