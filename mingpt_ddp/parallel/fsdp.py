@@ -84,6 +84,14 @@ def shard(module: nn.Module, mesh, plan, root: bool = False) -> None:
     )
 
 
+def shard_model(model: nn.Module, mesh, plan) -> None:
+    """Shard in place, block by block, then the root (embeddings, final norm, head: what remains):
+    each block's parameters are gathered just before it runs and freed after."""
+    for block in model.blocks.children():
+        shard(block, mesh, plan)
+    shard(model, mesh, plan, root=True)
+
+
 def write_dcp(state: dict, folder: str) -> str:
     """Collective: every rank writes its shards (its own keys, or its part of a DTensor) of
     state into folder; a tensor several ranks hold alike is written once."""
@@ -112,8 +120,7 @@ class FSDPStrategy(Single):
         check_muon_supported(args.optim, "fsdp")
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        """Shard in place, block by block, then the root (embeddings, final norm, head): each
-        block's parameters are gathered just before it runs and freed after."""
+        """Checkpointing and compile as asked, then sharded in place (shard_model)."""
         plan = self.plan
         # Activation checkpointing, then compile, then sharding (torchtitan's order): FSDP's hooks
         # sit on each block's __call__, outside the checkpointed forward, so the parameters are
@@ -125,10 +132,7 @@ class FSDPStrategy(Single):
         # The mesh on this rank's own device: left out, fully_shard builds one on whatever
         # accelerator torch finds, so trainer_config.device=cpu on a GPU host would put the shards
         # on cuda:LOCAL_RANK behind a gloo-only group.
-        mesh = init_device_mesh(self.device.type, (self.ctx.world_size,))
-        for block in model.blocks:
-            shard(block, mesh, plan)
-        shard(model, mesh, plan, root=True)
+        shard_model(model, init_device_mesh(self.device.type, (self.ctx.world_size,)), plan)
         return model
 
     def autocasts(self) -> bool:

@@ -24,7 +24,6 @@ What one process does stays true across the stages, by three steps the engine do
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 
 import torch
@@ -48,8 +47,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from mingpt_ddp.errors import ConfigError, SnapshotMismatch
 from mingpt_ddp.optim import build_optimizers, check_muon_supported
 from mingpt_ddp.parallel.checkpointing import apply_activation_checkpointing, checkpointing_words
-from mingpt_ddp.parallel.fsdp import DCP_FILES, shard, write_dcp
-from mingpt_ddp.parallel.plan import grad_scaler, grid
+from mingpt_ddp.parallel.fsdp import DCP_FILES, shard_model, write_dcp
+from mingpt_ddp.parallel.plan import grid
 from mingpt_ddp.parallel.single import Single, check_no_foreign_options
 from mingpt_ddp.parallel.stages import (
     Stage,
@@ -133,10 +132,7 @@ class PipelineStrategy(Single):
         ]
         self.optimizers = [opt for opts in self.stage_optimizers for opt in opts]
         self.tie_group, self.tied = self.tie_the_embeddings(model.config.tie_embeddings)
-        self.scaler = grad_scaler(self.plan, self.device)  # disabled: fp16 is refused
-        self.last_norm = torch.zeros(())
-        self.attention_fp32: bool | None = None
-        self.attention_choice = self.choose_attention_precision(model, args.batch_size)
+        self.init_step_state(model, args.batch_size)  # its scaler is off: fp16 is refused
 
     @classmethod
     def check(cls, args: StrategyArgs) -> None:
@@ -168,9 +164,7 @@ class PipelineStrategy(Single):
             for block in stage.blocks.children():
                 block.compile()
         if self.plan.parallel == "fsdp":
-            for block in stage.blocks.children():
-                shard(block, self.mesh["dp"], self.plan)
-            shard(stage, self.mesh["dp"], self.plan, root=True)
+            shard_model(stage, self.mesh["dp"], self.plan)
             return stage
         if self.mesh["dp"].size() == 1:
             return stage  # one replica: nothing to average
@@ -228,8 +222,9 @@ class PipelineStrategy(Single):
         """What this rank hands the schedule: the token ids on the first stage, nothing after."""
         return (x,) if self.has_first else ()
 
-    def clip_and_step(self) -> torch.Tensor:
-        """Sum the tied matrix's two gradients, clip by the norm over the whole pipeline, step."""
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """Sum the tied matrix's two gradients, then clip by the norm over the whole pipeline
+        (Single.clip_and_step steps the optimizers after)."""
         if self.tie_group is not None:
             for p in self.tied:
                 grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
@@ -244,10 +239,7 @@ class PipelineStrategy(Single):
         squared = norm.float() ** 2
         dist.all_reduce(squared, group=self.mesh.get_group("pp"))  # over the stages
         norm = squared.sqrt()
-        torch.nn.utils.clip_grads_with_norm_(params, self.args.optim.grad_clip or math.inf, norm)
-        for optimizer in self.optimizers:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return norm
 
     # -------------------------------------------------------------- evaluation

@@ -43,10 +43,15 @@ class Single(Strategy):
         self.train_model = self.wrap(model)  # what training calls
         # Built after wrapping: under FSDP the optimizers must hold the sharded parameters.
         self.optimizers = build_optimizers(model, args.optim, self.device.type)  # [AdamW] (+ Muon)
+        self.init_step_state(model, args.batch_size)
+
+    def init_step_state(self, model: nn.Module, batch_size: int) -> None:
+        """What the step keeps besides the optimizers: fp16's loss scaler, the last gradient norm,
+        and attention's precision under bf16 autocast (timed here)."""
         self.scaler = grad_scaler(self.plan, self.device)
         self.last_norm = torch.zeros(())
         self.attention_fp32: bool | None = None  # None: attention is not under bf16 autocast
-        self.attention_choice = self.choose_attention_precision(model, args.batch_size)
+        self.attention_choice = self.choose_attention_precision(model, batch_size)
 
     @classmethod
     def check(cls, args: StrategyArgs) -> None:
@@ -121,14 +126,17 @@ class Single(Strategy):
         # Unscale before clipping, so the clip threshold applies to the true gradients.
         for optimizer in self.optimizers:
             self.scaler.unscale_(optimizer)
-        # The norm over all parameters (all shards, under FSDP); inf = measure without clipping.
-        params = self.train_model.parameters()
-        norm = torch.nn.utils.clip_grad_norm_(params, self.args.optim.grad_clip or math.inf)
+        norm = self.clip(self.args.optim.grad_clip or math.inf)  # inf: measure, do not clip
         for optimizer in self.optimizers:
             self.scaler.step(optimizer)  # skips the step if fp16 gradients overflowed
             optimizer.zero_grad(set_to_none=True)  # free gradient memory instead of writing zeros
         self.scaler.update()
         return norm
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """Clip the gradients to max_norm by their norm over all parameters (all shards, under
+        FSDP); returns that norm."""
+        return torch.nn.utils.clip_grad_norm_(self.train_model.parameters(), max_norm)
 
     def grad_norm(self) -> float:
         norm = self.last_norm
