@@ -196,7 +196,11 @@ def build_trainer(job, ctx: DistContext, store: SnapshotStore) -> Trainer:
         run_config,
         store,
         job.deepspeed_config,
-        job.pipeline_config,
+        {
+            "pipeline": job.pipeline_config,
+            "tensor": job.tensor_config,
+            "context": job.context_config,
+        },
     )
     if ctx.distributed:  # (a sweep's jobs are single processes: nothing to keep between them)
         _KEEP_UNTIL_EXIT.append(trainer)

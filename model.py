@@ -40,9 +40,10 @@ class Rotary:
         self.block_size = block_size
         self.tables: dict[torch.device, torch.Tensor] = {}
 
-    def __call__(self, T: int, device: torch.device) -> torch.Tensor:
-        """e^(i * position * frequency) for each position and channel pair: (T, 1, 1, hs/2)
-        complex."""
+    def __call__(self, positions: torch.Tensor) -> torch.Tensor:
+        """e^(i * position * frequency) for each of the positions (T,) and each channel pair:
+        (T, 1, 1, hs/2) complex."""
+        device = positions.device
         if device not in self.tables:
             angles = torch.outer(
                 torch.arange(self.block_size, dtype=torch.float32), self.freqs
@@ -50,7 +51,7 @@ class Rotary:
             self.tables[device] = torch.polar(torch.ones_like(angles), angles)[:, None, None].to(
                 device
             )
-        return self.tables[device][:T]
+        return self.tables[device][positions]
 
 
 def rotate(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -60,6 +61,14 @@ def rotate(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     inductor leaves it to eager mode, with a warning: it generates no code for complex numbers.)"""
     pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))  # (B, T, 2, nh, hs/2) complex
     return torch.view_as_real(pairs * rope).flatten(-2)  # (B, T, 2, nh, hs)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float):
+    """Each position attends to itself and the positions before it: (B, nh, T, hs) -> same."""
+    # is_causal=True masks future positions inside the fused kernel. (A float 0/1 tril matrix
+    # passed as attn_mask would be *added* to the scores and mask nothing; a boolean mask or
+    # is_causal is what hides the future.)
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
 
 
 class CausalSelfAttention(nn.Module):
@@ -76,12 +85,16 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
+        # The attention kernel, (q, k, v, dropout_p) -> y. Context parallelism swaps in ring
+        # attention over sequence shards (mingpt_ddp/parallel/ring.py); the model stays the same.
+        self.attend = causal_attention
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.shape
         # One matmul gives queries, keys and values, split into heads: (B, T, 3C) -> (B, T, 3, nh,
         # hs).
-        qkv = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head)
+        # -1 heads: all n_head here, or a tensor-parallel rank's share of them (its rows of qkv).
+        qkv = self.qkv(x).view(B, T, 3, -1, C // self.n_head)
         qk, v = qkv[:, :, :2], qkv[:, :, 2]  # (B, T, 2, nh, hs): queries and keys, treated alike
         if self.qk_norm or rope is not None:
             qk = (
@@ -100,17 +113,12 @@ class CausalSelfAttention(nn.Module):
         dtype = torch.float32 if fp32 else v.dtype
         q, k = qk.unbind(2)
         q, k, v = (t.to(dtype).transpose(1, 2) for t in (q, k, v))  # 3 x (B, nh, T, hs)
-        # is_causal=True masks future positions inside the fused kernel. (A float
-        # 0/1 tril matrix passed as attn_mask would be *added* to the scores and
-        # mask nothing; a boolean mask or is_causal is what hides the future.)
         dropout_p = self.attn_dropout if self.training else 0.0
         with (
             torch.autocast(x.device.type, enabled=False) if fp32 else nullcontext()
         ):  # the matmuls stay in autocast
-            y = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=dropout_p, is_causal=True
-            )  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads: (B, T, C)
+            y = self.attend(q, k, v, dropout_p)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).flatten(2)  # re-assemble heads: (B, T, C) (this rank's, under TP)
         return self.resid_dropout(self.proj(y))
 
 
@@ -201,30 +209,35 @@ class GPT(nn.Module):
         return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         T = idx.size(1)
         if T > self.config.block_size:
             raise ValueError(
                 f"sequence of length {T} is longer than block_size {self.config.block_size}"
             )
-        logits = self.run(idx)  # (B, T, V)
+        logits = self.run(idx, positions)  # (B, T, V)
         return logits, None if targets is None else self.loss(logits, targets)
 
-    def run(self, x: torch.Tensor) -> torch.Tensor:
+    def run(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """The parts of the network this module holds, in order: token ids (B, T) -> logits
         (B, T, V). A model cut into pipeline stages (mingpt_ddp/parallel/stages.py) holds some of
         them: without the token embedding x is the (B, T, C) output of the blocks before, and
-        without the head the result is its own blocks' (B, T, C) output."""
+        without the head the result is its own blocks' (B, T, C) output. positions (T,): where
+        each of the T tokens sits in its window (default 0..T-1; context parallelism hands a rank
+        chunks from the middle and the end)."""
         T = x.size(1)
+        if positions is None:
+            positions = torch.arange(T, device=x.device)
         if self.wte is not None:
             x = self.wte(x)  # (B, T, C)
             if self.wpe is not None:  # (B, T, C) + (T, C) broadcast
-                x = x + self.wpe(torch.arange(T, device=x.device))
+                x = x + self.wpe(positions)
             x = self.drop(x)
-        rope = (
-            self.rotary(T, x.device) if self.rotary is not None else None
-        )  # (T, 1, 1, hs/2) complex
+        rope = self.rotary(positions) if self.rotary is not None else None  # (T, 1, 1, hs/2)
         for block in self.blocks.children():  # children(): a stage's blocks are a ModuleDict
             x = block(x, rope)  # (B, T, C)
         if self.lm_head is None:

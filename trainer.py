@@ -25,7 +25,6 @@ import torch
 from char_dataset import CharDataset
 from mingpt_ddp.config.deepspeed import DeepSpeedConfig
 from mingpt_ddp.config.optimizer import OptimizerConfig
-from mingpt_ddp.config.pipeline import PipelineConfig
 from mingpt_ddp.config.trainer import TrainerConfig
 from mingpt_ddp.metrics import LogWindow, MetricsLog, ProgressLine, format_duration, peak_memory
 from mingpt_ddp.optim import set_learning_rates
@@ -51,24 +50,20 @@ class Trainer:
         run_config: dict[str, Any],
         store: SnapshotStore,
         deepspeed_cfg: DeepSpeedConfig | None = None,
-        pipeline_cfg: PipelineConfig | None = None,
+        splits: dict[str, Any] | None = None,
     ):
         self.cfg, self.optim_cfg, self.ctx, self.store = trainer_cfg, optim_cfg, ctx, store
         self.dataset, self.run_config, self.device = dataset, run_config, ctx.device
         c, self.control = trainer_cfg, ControlPlane()
-        plan = Plan.of(c, ctx.device, pipeline_cfg)  # parallelism, precision ("auto" decided)
+        # splits: {"pipeline", "tensor", "context"}: their config sections (absent: degree 1)
+        plan = Plan.of(c, ctx.device, **(splits or {}))  # "auto" precision decided
         # How far the run has got (step, data position, val loss, RNG): what a resume restores.
-        # Its data share is its replica's: all stages of one pipeline read the same windows.
-        share = replica(ctx.rank, ctx.world_size, plan.pipeline.degree)
-        self.state = TrainState(
-            len(dataset.train), ctx, c.batch_size, c.grad_accum_steps, c.seed, self.control, share
-        )
+        self.state = self._train_state(len(dataset.train), plan)
         self.num_params = model.num_params()  # now: ZeRO-3 empties the parameters it partitions
         self.strategy = self._build_strategy(model, plan, deepspeed_cfg or DeepSpeedConfig())
         self.model = self.strategy.model  # the plain module (under FSDP: sharded in place)
         self.data_seconds = 0.0  # time spent preparing batches since the last log line
-        # Each rank its own random stream (dropout differs across its samples), all from one seed.
-        torch.manual_seed(c.seed + ctx.rank)
+        torch.manual_seed(c.seed + self.state.stream)  # one seed, a stream per rank (_train_state)
         main_only = (lambda path: path) if ctx.is_main else (lambda path: "")
         self.metrics = MetricsLog(
             main_only(c.metrics_file), main_only(c.tensorboard_dir), still_owner=store.owns_path
@@ -79,6 +74,15 @@ class Trainer:
         self.snapshots = Snapshots(
             self, self.strategy, store, c, ctx.is_main, self.control, self.metrics
         )
+
+    def _train_state(self, num_windows: int, plan: Plan) -> TrainState:
+        """The run's progress, its data share (its replica's: the stages, tensor or context shards
+        of a replica read the same windows) and its dropout stream (the tensor-parallel ranks of a
+        replica share one: they hold the same activations; tp is the mesh's innermost dimension)."""
+        c, ctx = self.cfg, self.ctx
+        share = replica(ctx.rank, ctx.world_size, plan)
+        args = (num_windows, ctx, c.batch_size, c.grad_accum_steps, c.seed, self.control, share)
+        return TrainState(*args, stream=ctx.rank // plan.tensor.degree)
 
     def _build_strategy(self, model: GPT, plan: Plan, ds: DeepSpeedConfig):
         """The parallel mode named by the config, around the model moved to this rank's device."""

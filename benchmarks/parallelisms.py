@@ -3,19 +3,21 @@
     python benchmarks/parallelisms.py --quick --out benchmarks/results/parallelisms_quick.json
     python benchmarks/parallelisms.py --out benchmarks/results/parallelisms.json   # gpt-micro
 
-Each layout trains a few steps on random token windows through the project's own strategies
-(mingpt_ddp/parallel/), under torchrun with one rank per stage x replica: the data-parallel
-layouts on a global batch of G windows, a pipeline on m microbatches of a fixed mb windows per
-replica (so a microbatch costs the same at every m, as the bubble formula assumes). Per layout,
-per rank:
+Each layout trains a few steps (20 with --quick) on random token windows through the project's
+own strategies (mingpt_ddp/parallel/), under torchrun with one rank per place of its mesh (pp x
+dp x cp x tp): the data, tensor and context-parallel layouts on a global batch of G windows, a
+pipeline on m microbatches of a fixed mb windows per replica (so a microbatch costs the same at
+every m, as the bubble formula assumes). Per layout, per rank:
 - max_abs_loss_diff: the largest difference of a step's loss to one process's (the parent runs
   that reference in-process, parallel=none, on the same global batches);
 - sent bytes per step, counted on one steady step (the third: the first exchanges pipeline
   shapes, the second rebuilds DDP's buckets) by comm_bytes.CountBytes, a dispatch mode over the
-  c10d ops, beside the formula (formula_bytes below) in the same unit, ring algorithms assumed;
+  c10d ops, beside the formula (benchmarks/formulas.py) in the same unit, ring algorithms assumed;
 - memory: parameters, gradients (one per parameter at the step's peak) and optimizer state this
   rank holds, and activations: the most bytes of tensors saved for backward alive at once
-  (saved-tensor hooks; the parameters saved by matmuls left out);
+  (saved-tensor hooks; the parameters saved by matmuls left out); parameters and activations
+  beside their formulas (formulas.param_bytes, formulas.activation_bytes: one process's / dp,
+  / cp, / tp with sequence parallelism; none where no single ratio holds);
 - pipelines: the bubble, each rank's idle share of the schedule's step: 1 - (time inside its
   stages' forward and backward chunks and the loss) / (the step's wall time), median of the timed
   steps, beside (p - 1) / (m + p - 1) (GPipe, 1F1B) or (p - 1) / (v m + p - 1) (interleaved, v
@@ -35,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -43,6 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.common import hardware  # noqa: E402
+from benchmarks.formulas import activation_bytes, bubble, param_bytes, sent_bytes  # noqa: E402
 from benchmarks.probes import SavedBytes, StageClock  # noqa: E402
 
 VOCAB = 65
@@ -50,7 +54,7 @@ VOCAB = 65
 # microbatch (mb windows: fixed, so every microbatch costs the same at every m, as the bubble
 # formula assumes; a pipeline's global batch is m x mb x dp), and the steps of each run.
 SIZES = {
-    "quick": dict(n_layer=4, n_head=2, n_embd=32, T=32, G=16, mb=2, steps=6),
+    "quick": dict(n_layer=4, n_head=2, n_embd=32, T=32, G=16, mb=2, steps=20),
     "full": dict(n_layer=4, n_head=4, n_embd=128, T=64, G=16, mb=4, steps=12),
 }
 WARMUP, COUNTED = 2, 2  # steps before the counted one; the counted step's index
@@ -65,7 +69,14 @@ def layouts(size: dict) -> list[dict]:
     rows.append(dict(dp=1, pp=2, parallel="ddp", schedule="interleaved1f1b", m=4, v=2))
     rows.append(dict(dp=2, pp=2, parallel="ddp", schedule="gpipe", m=4))
     rows.append(dict(dp=2, pp=2, parallel="ddp", schedule="1f1b", m=4))
+    rows += [dict(dp=1, tp=2, parallel="ddp"), dict(dp=1, tp=2, sp=True, parallel="ddp")]
+    rows.append(dict(dp=2, tp=2, parallel="fsdp"))
+    rows += [dict(dp=1, cp=2, parallel="ddp"), dict(dp=2, cp=2, parallel="ddp")]
+    rows.append(dict(dp=1, pp=2, tp=2, parallel="ddp", schedule="1f1b", m=4))
+    rows.append(dict(dp=2, pp=2, tp=2, parallel="fsdp", schedule="1f1b", m=4))
     for r in rows:
+        r.setdefault("pp", 1)
+        r.update(tp=r.get("tp", 1), cp=r.get("cp", 1))
         r["G"] = r["m"] * size["mb"] * r["dp"] if r["pp"] > 1 else size["G"]
     return rows
 
@@ -79,9 +90,11 @@ def batches(size: dict, step: int, G: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def build(layout: dict, size: dict, ctx):
     """The model and the strategy this layout trains it with (registry: the project's modes)."""
+    from mingpt_ddp.config.context import ContextConfig
     from mingpt_ddp.config.deepspeed import DeepSpeedConfig
     from mingpt_ddp.config.optimizer import OptimizerConfig
     from mingpt_ddp.config.pipeline import PipelineConfig
+    from mingpt_ddp.config.tensor import TensorConfig
     from mingpt_ddp.parallel.plan import Plan
     from mingpt_ddp.parallel.registry import build_strategy
     from mingpt_ddp.parallel.strategy import StrategyArgs
@@ -94,7 +107,11 @@ def build(layout: dict, size: dict, ctx):
     pipeline = PipelineConfig(
         layout["pp"], layout.get("schedule", "1f1b"), layout.get("m", 4), layout.get("v", 2)
     )
-    plan = Plan(parallel=layout["parallel"], use_amp=False, pipeline=pipeline)
+    tensor = TensorConfig(layout["tp"], layout.get("sp", False))
+    context = ContextConfig(layout["cp"])
+    plan = Plan(
+        layout["parallel"], use_amp=False, pipeline=pipeline, tensor=tensor, context=context
+    )
     args = StrategyArgs(
         plan,
         ctx,
@@ -113,48 +130,6 @@ def share(layout: dict, step: int, size: dict, replica: int) -> list:
     return [(x[replica :: layout["dp"]], y[replica :: layout["dp"]])]
 
 
-def bubble_formula(layout: dict) -> float | None:
-    if layout["pp"] == 1:
-        return None
-    p, m = layout["pp"], layout["m"]
-    v = layout.get("v", 1) if layout["schedule"] == "interleaved1f1b" else 1
-    return (p - 1) / (v * m + p - 1)
-
-
-def formula_bytes(layout: dict, strategy, size: dict) -> float:
-    """What this rank should send in one step (ring algorithms; comm_bytes's module docstring)."""
-    from benchmarks.comm_bytes import fsdp_formula, ring_sent_bytes
-
-    C, T, G = size["n_embd"], size["T"], layout["G"]
-    dp, pp = layout["dp"], layout["pp"]
-    if pp == 1:
-        if dp == 1:
-            return 0.0
-        if layout["parallel"] == "fsdp":
-            whole = type(strategy.model)(strategy.model.config)  # unsharded shapes, padded
-            gather, scatter = fsdp_formula(whole, dp)
-            return gather + scatter
-        params = sum(p.numel() * p.element_size() for p in strategy.model.parameters())
-        return ring_sent_bytes("all_reduce", params, dp)
-    return pipeline_bytes(layout, strategy, C, T, G)
-
-
-def pipeline_bytes(layout: dict, strategy, C: int, T: int, G: int) -> float:
-    """Activations forward and their gradients back (every microbatch, every hand-off this rank
-    makes), the tied matrix's gradient between first and last stage, the norm over the stages,
-    and DDP's all-reduce of this rank's stages over the replicas."""
-    from benchmarks.comm_bytes import ring_sent_bytes
-
-    dp, pp, m, n = layout["dp"], layout["pp"], layout["m"], strategy.cfg.stages
-    act = G // dp // m * T * C * 4  # one microbatch's (mb, T, C) fp32 activations
-    sent = sum(m * act * ((i < n - 1) + (i > 0)) for i in strategy.ids)
-    if strategy.tie_group is not None:
-        sent += ring_sent_bytes("all_reduce", strategy.tied[0].numel() * 4, 2)
-    sent += ring_sent_bytes("all_reduce", 4, pp)  # the squared norm, over the stages
-    params = {id(p): p for s in strategy.stages for p in s.parameters()}.values()
-    return sent + ring_sent_bytes("all_reduce", sum(p.numel() * 4 for p in params), dp)
-
-
 def measure(layout: dict, size: dict) -> dict:
     """One rank's run of a layout: losses, counted bytes, memory, idle shares."""
     import torch.distributed as dist
@@ -166,7 +141,7 @@ def measure(layout: dict, size: dict) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     ctx = DistContext(rank, rank, world, torch.device("cpu"), local_world_size=world)
     _, strategy = build(layout, size, ctx)
-    r, _ = replica(rank, world, layout["pp"])
+    r, _ = replica(rank, world, strategy.plan)
     params = [p for opt in strategy.optimizers for g in opt.param_groups for p in g["params"]]
     losses, idle, sent, ops, saved = [], [], 0.0, {}, SavedBytes(params)
     if layout["pp"] > 1:  # the schedule's step alone: the optimizer's step is no bubble
@@ -187,9 +162,10 @@ def measure(layout: dict, size: dict) -> dict:
         "losses": losses,
         "sent": sent,
         "ops": ops,
-        "formula": formula_bytes(layout, strategy, size),
+        "formula": sent_bytes(layout, strategy, size),
         "idle": statistics.median(idle) if idle else None,
         "params": local_bytes(params),
+        "params_formula": param_bytes(layout, strategy.model),
         "optimizer": strategy.optimizer_state_bytes(),
         "saved": saved.peak,
     }
@@ -213,20 +189,24 @@ def worker() -> None:
     exit_process(0)  # past gloo's exit-time destructors, which abort now and then
 
 
-def reference(size: dict, G: int) -> list[float]:
-    """One process (parallel=none) over the same global batches: the losses to compare with."""
+def reference(size: dict, G: int) -> dict:
+    """One process (parallel=none) over the same global batches: the losses to compare with, and
+    the activations it saves for backward (what the formulas divide)."""
     from mingpt_ddp.runtime.distributed import DistContext
 
     torch.set_num_threads(1)
-    layout = dict(dp=1, pp=1, parallel="none", G=G)
+    layout = dict(dp=1, pp=1, tp=1, cp=1, parallel="none", G=G)
     _, strategy = build(layout, size, DistContext(0, 0, 1, torch.device("cpu")))
-    steps = range(size["steps"])
-    return [strategy.train_step(iter(share(layout, s, size, 0)), 1)[0].item() for s in steps]
+    saved, losses = SavedBytes(strategy.model.parameters()), []
+    for step in range(size["steps"]):
+        with saved.hooks() if step == COUNTED else nullcontext():
+            losses.append(strategy.train_step(iter(share(layout, step, size, 0)), 1)[0].item())
+    return {"losses": losses, "saved": saved.peak}
 
 
 def run_layout(layout: dict, size: dict) -> list[dict]:
     """Every rank's numbers for one layout, from a torchrun of this file."""
-    nproc = layout["dp"] * layout["pp"]
+    nproc = layout["dp"] * layout["pp"] * layout["tp"] * layout["cp"]
     with tempfile.TemporaryDirectory() as out:
         env = dict(os.environ, PARALLELISMS_LAYOUT=json.dumps([layout, size]), PARALLELISMS_OUT=out)
         env["OMP_NUM_THREADS"] = "1"
@@ -238,7 +218,7 @@ def run_layout(layout: dict, size: dict) -> list[dict]:
         return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
-def row(layout: dict, ranks: list[dict], expected: list[float]) -> dict:
+def row(layout: dict, ranks: list[dict], one: dict) -> dict:
     """One table row: the layout, its loss difference, bytes, memory and bubble (rank means)."""
     steps = zip(*[r["losses"] for r in ranks])  # per step: every rank's loss or None
     losses = [statistics.fmean(v for v in per_step if v is not None) for per_step in steps]
@@ -247,24 +227,27 @@ def row(layout: dict, ranks: list[dict], expected: list[float]) -> dict:
     pipeline = layout["pp"] > 1
     return {
         "layout": label(layout),
-        "degrees": {"dp": layout["dp"], "pp": layout["pp"], "tp": 1, "cp": 1},
+        "degrees": {k: layout[k] for k in ("dp", "pp", "tp", "cp")},
+        "sequence_parallel": bool(layout.get("sp")),
         "global_batch": layout["G"],
         "parallel": layout["parallel"],
         "schedule": layout.get("schedule") if pipeline else None,
         "microbatches": layout.get("m") if pipeline else None,
         "stages_per_rank": layout.get("v", 1) if pipeline else None,
-        "max_abs_loss_diff": max(abs(a - b) for a, b in zip(losses, expected)),
+        "max_abs_loss_diff": max(abs(a - b) for a, b in zip(losses, one["losses"])),
         "sent_bytes_per_step": mean("sent"),
         "sent_bytes_formula": mean("formula"),
         "sent_bytes_per_rank": [r["sent"] for r in ranks],
         "sent_bytes_by_op": [r["ops"] for r in ranks],  # per rank: {c10d op: bytes sent}
         "bubble_measured": statistics.fmean(idle) if idle else None,
         "bubble_per_rank": idle or None,
-        "bubble_formula": bubble_formula(layout),
+        "bubble_formula": bubble(layout),
         "param_bytes_per_rank": max(r["params"] for r in ranks),
+        "param_bytes_formula": ranks[0]["params_formula"],
         "grad_bytes_per_rank": max(r["params"] for r in ranks),
         "optimizer_bytes_per_rank": max(r["optimizer"] for r in ranks),
         "activation_bytes_per_rank": max(r["saved"] for r in ranks),
+        "activation_bytes_formula": activation_bytes(layout, one["saved"]),
     }
 
 
@@ -274,17 +257,23 @@ def label(layout: dict) -> str:
     if layout["pp"] > 1:
         v = f" v={layout['v']}" if layout["schedule"] == "interleaved1f1b" else ""
         parts.append(f"pp{layout['pp']} {layout['schedule']} m={layout['m']}{v}")
+    if layout["tp"] > 1:
+        parts.append(f"tp{layout['tp']}{' sp' if layout.get('sp') else ''}")
+    if layout["cp"] > 1:
+        parts.append(f"cp{layout['cp']}")
     return " x ".join(parts) or "one process"
 
 
 def table(rows: list[dict]) -> str:
-    """The markdown table (bytes per rank; bubbles as idle shares of the schedule's step)."""
+    """The markdown table (bytes per rank; bubbles as idle shares of the schedule's step; the
+    formulas in brackets)."""
     head = (
         "| layout | windows/step | max loss diff | sent B/step (counted) | formula | "
-        "bubble measured | formula | params+grads+optim KB/rank | activations KB/rank |\n"
-        "|---|---|---|---|---|---|---|---|---|"
+        "bubble measured | formula | params KB/rank (formula) | params+grads+optim KB/rank | "
+        "activations KB/rank (formula) |\n|---|---|---|---|---|---|---|---|---|---|"
     )
     fmt = lambda x, f: "-" if x is None else format(x, f)
+    kb = lambda x: "-" if x is None else f"{x / 1e3:,.1f}"
     lines = [head]
     for r in rows:
         state = r["param_bytes_per_rank"] + r["grad_bytes_per_rank"] + r["optimizer_bytes_per_rank"]
@@ -292,15 +281,16 @@ def table(rows: list[dict]) -> str:
             f"| {r['layout']} | {r['global_batch']} | {r['max_abs_loss_diff']:.1e} | "
             f"{r['sent_bytes_per_step']:,.0f} | "
             f"{r['sent_bytes_formula']:,.0f} | {fmt(r['bubble_measured'], '.3f')} | "
-            f"{fmt(r['bubble_formula'], '.3f')} | {state / 1e3:,.1f} | "
-            f"{r['activation_bytes_per_rank'] / 1e3:,.1f} |"
+            f"{fmt(r['bubble_formula'], '.3f')} | {kb(r['param_bytes_per_rank'])} "
+            f"({kb(r['param_bytes_formula'])}) | {state / 1e3:,.1f} | "
+            f"{kb(r['activation_bytes_per_rank'])} ({kb(r['activation_bytes_formula'])}) |"
         )
     return "\n".join(lines)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="a tiny model, 6 steps (about a minute)")
+    p.add_argument("--quick", action="store_true", help="a tiny model, 20 steps (2 minutes)")
     p.add_argument("--out", help="write the JSON here (and the markdown table beside it, .md)")
     p.add_argument("--only", help='comma-separated layouts to run (e.g. "dp2 ddp,pp2 1f1b m=2")')
     args = p.parse_args()

@@ -22,7 +22,9 @@ class SavedBytes:
         self.peak = 0
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
+        # A DTensor (tensor parallelism) is a wrapper: its bytes are its local shard's.
+        local = t._local_tensor if hasattr(t, "_local_tensor") else t
+        storage = local.untyped_storage()
         key = storage._cdata
         if key not in self.skip and key not in self.live:
             self.live[key] = (self.ref(storage), storage.nbytes())

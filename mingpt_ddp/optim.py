@@ -94,13 +94,21 @@ def newton_schulz(
     return X.mT if tall else X
 
 
+def update_kernel(params: list, device_type: str) -> dict:
+    """AdamW's kernel: the fused one updates all parameters in one pass (CUDA and CPU), but takes
+    no mix of DTensors and tensors (tensor parallelism's blocks beside whole embeddings); then
+    the plain loop, one parameter at a time."""
+    if len({hasattr(p, "to_local") for p in params}) > 1:  # DTensors and tensors
+        return {"fused": False, "foreach": False}
+    return {"fused": device_type in ("cuda", "cpu")}
+
+
 def build_optimizers(
     model: nn.Module, cfg: OptimizerConfig, device_type: str
 ) -> list[torch.optim.Optimizer]:
     """The optimizers for a model's parameters: [AdamW] or [AdamW, Muon]. Build them after FSDP has
     sharded the model, so that they hold the sharded parameters."""
-    # A tied weight appears once.
-    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]  # tied: once
     hidden = [
         p
         for name, p in named
@@ -113,14 +121,12 @@ def build_optimizers(
         {"params": [p for p in rest if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
     ]
-    # The fused kernel updates all parameters in one pass instead of a loop of small ops (CUDA and
-    # CPU).
     optimizers: list[torch.optim.Optimizer] = [
         torch.optim.AdamW(
             groups,
             lr=cfg.learning_rate,
             betas=(cfg.beta1, cfg.beta2),
-            fused=device_type in ("cuda", "cpu"),
+            **update_kernel([p for _, p in named], device_type),
         )
     ]
     if hidden:
@@ -136,13 +142,18 @@ def build_optimizers(
     return optimizers
 
 
+def splitter(parallel: str) -> str:
+    """The setting that splits the matrices, as a user writes it: "parallel=fsdp", or a key."""
+    return parallel if "=" in parallel else f"parallel={parallel}"
+
+
 def check_muon_supported(cfg: OptimizerConfig, parallel: str) -> None:
     """Muon orthogonalises whole matrices: the modes that split them over the ranks (FSDP,
     DeepSpeed ZeRO) refuse it through this check, naming themselves."""
     if cfg.optimizer == "muon":
         raise ConfigError(
             "optimizer_config.optimizer=muon needs each weight matrix whole on every rank "
-            f"(Newton-Schulz works on the full matrix), and parallel={parallel} splits them; "
+            f"(Newton-Schulz works on the full matrix), and {splitter(parallel)} splits them; "
             "use parallel=ddp, or "
             "optimizer_config.optimizer=adamw"
         )

@@ -30,8 +30,12 @@ class TrainState:
         seed: int,
         control: ControlPlane,
         replica: tuple[int, int] | None = None,
+        stream: int | None = None,
     ):
         self.ctx, self.control = ctx, control
+        # Which random stream this rank draws (dropout): its own, unless ranks hold the same
+        # activations (tensor parallelism's ranks), whose masks must then be equal.
+        self.stream = ctx.rank if stream is None else stream
         # (which replica, how many): the data-parallel coordinates; every rank is its own replica
         # unless a pipeline's stages share one (mingpt_ddp/parallel/stages.py).
         self.replica, self.replicas = replica or (ctx.rank, ctx.world_size)
@@ -96,7 +100,7 @@ class TrainState:
         else:
             # Ranks no longer map one-to-one onto the saved streams: start new ones,
             # still a function of the seed, and of the step so they do not replay step 0's.
-            torch.manual_seed(self.seed + 100_003 * self.step + ctx.rank)
+            torch.manual_seed(self.seed + 100_003 * self.step + self.stream)
 
     def _load_data_cursor(self, state: dict[str, Any]) -> None:
         # Format 1-2 kept the epoch and position at the top level.

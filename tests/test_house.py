@@ -119,11 +119,13 @@ def test_a_plain_install_adds_one_package_that_builds_the_schema_outside_the_che
     assert where.startswith(str(target))  # not the checkout's copy
     assert fields == str(
         [
+            "context_config",
             "data_config",
             "deepspeed_config",
             "gpt_config",
             "optimizer_config",
             "pipeline_config",
+            "tensor_config",
             "trainer_config",
         ]
     )

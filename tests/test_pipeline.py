@@ -21,7 +21,7 @@ from mingpt_ddp.config.optimizer import OptimizerConfig
 from mingpt_ddp.config.pipeline import PipelineConfig
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.metrics import MetricsLog
-from mingpt_ddp.parallel.plan import Plan, grid
+from mingpt_ddp.parallel.plan import Plan, coordinates, mesh_shape, replica
 from mingpt_ddp.parallel.stages import block_ranges, cut, stage_ids
 
 FAULTY = REPO / "tests" / "faulty_main.py"
@@ -137,7 +137,7 @@ def test_the_settings_a_pipeline_cannot_run_are_refused_naming_the_fix():
     with pytest.raises(ConfigError, match="schedule must be gpipe, 1f1b, interleaved1f1b"):
         PipelineConfig(schedule="zb")
     with pytest.raises(ConfigError, match="must divide the world size 3"):
-        grid(0, 3, 2)
+        mesh_shape(3, Plan(pipeline=PipelineConfig(degree=2)))
     with pytest.raises(ConfigError, match="needs at least 5 blocks, the model has 4"):
         block_ranges(4, 5)
 
@@ -188,8 +188,15 @@ def test_stages_hold_the_whole_models_parameters_under_its_names():
 
 
 def test_the_replica_not_the_rank_decides_the_data_share():
-    assert [grid(r, 4, 2) for r in range(4)] == [(0, 0, 2), (0, 1, 2), (1, 0, 2), (1, 1, 2)]
-    assert json.dumps(grid(3, 4, 1)) == "[0, 3, 4]"  # no pipeline: every rank its own replica
+    plan = Plan(pipeline=PipelineConfig(degree=2))
+    shape = mesh_shape(4, plan)
+    assert [(coordinates(r, shape)["pp"], *replica(r, 4, plan)) for r in range(4)] == [
+        (0, 0, 2),
+        (0, 1, 2),
+        (1, 0, 2),
+        (1, 1, 2),
+    ]
+    assert json.dumps(replica(3, 4, Plan())) == "[3, 4]"  # no pipeline: every rank a replica
 
 
 @pytest.mark.slow

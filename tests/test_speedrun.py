@@ -64,7 +64,7 @@ def test_each_switch_on_or_off_learns_a_fixed_batch(switches, optimizer):
 
 
 def test_rotary_attention_scores_depend_only_on_the_distance_between_positions():
-    rope = Rotary(head_size=8, block_size=32)(32, torch.device("cpu"))
+    rope = Rotary(head_size=8, block_size=32)(torch.arange(32))  # positions 0..31
     q, k = torch.randn(2, 8)
 
     def at(

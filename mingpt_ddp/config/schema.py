@@ -2,7 +2,8 @@
 
 Each section of the config is a dataclass in this package (config/): DataConfig (data.py),
 GPTConfig (model.py), OptimizerConfig (optimizer.py), TrainerConfig (trainer.py), DeepSpeedConfig
-(deepspeed.py), PipelineConfig (pipeline.py); they import nothing but the error types, so any part
+(deepspeed.py), PipelineConfig (pipeline.py), TensorConfig (tensor.py), ContextConfig
+(context.py); they import nothing but the error types, so any part
 of the project can import its section without importing the others. They are the only place a
 key, its type, its default and its meaning are written. This module puts them together as the
 job's schema and registers it with Hydra's ConfigStore; gpt2_train_cfg.yaml composes it through
@@ -27,12 +28,14 @@ import inspect
 import textwrap
 from typing import Any
 
+from mingpt_ddp.config.context import ContextConfig
 from mingpt_ddp.config.data import DataConfig
 from mingpt_ddp.config.deepspeed import DeepSpeedConfig
 from mingpt_ddp.config.groups import PARALLEL, RECIPES
 from mingpt_ddp.config.model import MODEL_SIZES, GPTConfig
 from mingpt_ddp.config.optimizer import OptimizerConfig
 from mingpt_ddp.config.pipeline import PipelineConfig
+from mingpt_ddp.config.tensor import TensorConfig
 from mingpt_ddp.config.trainer import TrainerConfig
 from mingpt_ddp.errors import ConfigError
 
@@ -47,6 +50,8 @@ def sections() -> dict[str, type]:
         "trainer_config": TrainerConfig,
         "deepspeed_config": DeepSpeedConfig,
         "pipeline_config": PipelineConfig,
+        "tensor_config": TensorConfig,
+        "context_config": ContextConfig,
     }
 
 

@@ -47,60 +47,35 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from mingpt_ddp.errors import ConfigError, SnapshotMismatch
 from mingpt_ddp.optim import build_optimizers, check_muon_supported
 from mingpt_ddp.parallel.checkpointing import apply_activation_checkpointing, checkpointing_words
-from mingpt_ddp.parallel.fsdp import DCP_FILES, shard_model, write_dcp
-from mingpt_ddp.parallel.plan import grid
+from mingpt_ddp.parallel.fsdp import shard_model, write_dcp
+from mingpt_ddp.parallel.plan import coordinates, mesh_shape
 from mingpt_ddp.parallel.single import Single, check_no_foreign_options
 from mingpt_ddp.parallel.stages import (
+    FLAT,
+    PIPELINE_FILES,
     Stage,
     block_ranges,
+    check_microbatches,
     cut,
     forward_through,
     stage_ids,
 )
-from mingpt_ddp.parallel.strategy import Batch, Strategy, StrategyArgs
-from mingpt_ddp.snapshots.layout import FileLayout
+from mingpt_ddp.parallel.strategy import Batch, Strategy, StrategyArgs, assemble
+from mingpt_ddp.parallel.tensor import (
+    TensorParallelStrategy,
+    clip_by,
+    global_norm,
+    heads_first,
+    parallelize,
+    standard_order,
+    to_layout,
+)
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
     "interleaved1f1b": ScheduleInterleaved1F1B,
 }
-# Optimizer state keyed per parameter ("state.<name>.exp_avg", "param_groups.<name>.lr"), not by
-# position in one param_groups list: each stage holds other parameters, so positional groups from
-# different stages would collide in one DCP snapshot; per name they fit together and reshard.
-FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-def _refusal(meta: dict) -> str:
-    degree = meta["pipeline"]["degree"]
-    return (
-        f"was written by a pipeline of {degree} stages in a row; resume it with "
-        "pipeline_config.degree > 1 (any degree that divides the world size), or start a new "
-        "trainer_config.run_dir"
-    )
-
-
-# DCP files like FSDP's, with every key a name of the whole model, so any pipeline layout
-# (another degree, schedule or number of replicas) reads what it holds; other modes refuse them.
-PIPELINE_FILES = FileLayout(
-    kind="pipeline",
-    extension="pipeline",
-    file_names=DCP_FILES.file_names,
-    full_tensors=DCP_FILES.full_tensors,
-    load_into=DCP_FILES.load_into,
-    refusal=_refusal,
-)
-
-
-def check_microbatches(windows: int, microbatches: int) -> None:
-    """A replica's step must cut into equal microbatches: the schedule averages their mean losses,
-    which is the batch's mean only if they are the same size."""
-    if windows % microbatches:
-        raise ConfigError(
-            f"a step's {windows} windows per pipeline (batch_size x grad_accum_steps) do not cut "
-            f"into pipeline_config.microbatches={microbatches} equal pieces; make the "
-            "microbatches divide them"
-        )
 
 
 class PipelineStrategy(Single):
@@ -113,12 +88,17 @@ class PipelineStrategy(Single):
         Strategy.__init__(self, model, args)
         self.check(args)
         self.cfg = cfg = args.plan.pipeline
-        self.pp_rank, self.dp_rank, dp = grid(self.ctx.rank, self.ctx.world_size, cfg.degree)
+        shape = mesh_shape(self.ctx.world_size, args.plan)
+        me = coordinates(self.ctx.rank, shape)
+        self.pp_rank, self.dp_rank, self.tp_rank = me["pp"], me["dp"], me["tp"]
+        dp, tp = shape["dp"], shape["tp"]
         self.mesh = init_device_mesh(
-            self.device.type, (cfg.degree, dp), mesh_dim_names=("pp", "dp")
+            self.device.type, (cfg.degree, dp, tp), mesh_dim_names=("pp", "dp", "tp")
         )
-        # Global ranks of this rank's row (one whole pipeline), in stage order.
-        self.row = [q * dp + self.dp_rank for q in range(cfg.degree)]
+        self.order = heads_first(model.config.n_embd, model.config.n_head, tp)
+        # Global ranks of this rank's row (one whole pipeline: its replica, its tp index), in
+        # stage order.
+        self.row = [(q * dp + self.dp_rank) * tp + self.tp_rank for q in range(cfg.degree)]
         ranges = block_ranges(model.config.n_layer, cfg.stages)
         self.ids = stage_ids(self.pp_rank, cfg.degree, cfg.stages)
         last = cfg.stages - 1
@@ -152,11 +132,20 @@ class PipelineStrategy(Single):
             )
         if plan.parallel == "fsdp":
             check_muon_supported(args.optim, "fsdp")  # with ddp, Muon sees whole matrices
+        if plan.tensor.degree > 1:
+            TensorParallelStrategy.check(args)
+        if plan.tensor.sequence_parallel:
+            raise ConfigError(
+                "tensor_config.sequence_parallel=true is not built with a pipeline (its stages "
+                "would hand on sequence shards): set it to false, or pipeline_config.degree=1"
+            )
 
     # ---------------------------------------------------------------- building
     def wrap(self, stage: nn.Module) -> nn.Module:
-        """Activation checkpointing, compile, then the data-parallel wrapper over this stage's
-        column (torchtitan's order)."""
+        """Tensor parallelism, activation checkpointing, compile, then the data-parallel wrapper
+        over this stage's column (torchtitan's order)."""
+        if self.mesh["tp"].size() > 1:
+            parallelize(stage, self.mesh["tp"], sequence_parallel=False)
         self.checkpointed += apply_activation_checkpointing(
             stage, self.plan.activation_checkpointing
         )
@@ -189,9 +178,10 @@ class PipelineStrategy(Single):
         matrix this rank holds. Every rank creates every row's group (new_group is collective)."""
         if not tied:
             return None, []
-        dp = self.mesh["dp"].size()
-        groups = [dist.new_group([d, (self.cfg.degree - 1) * dp + d]) for d in range(dp)]
-        mine = groups[self.dp_rank] if self.has_first or self.has_last else None
+        across = self.mesh["dp"].size() * self.mesh["tp"].size()  # ranks of one stage
+        last = (self.cfg.degree - 1) * across
+        groups = [dist.new_group([r, last + r]) for r in range(across)]
+        mine = groups[self.row[0]] if self.has_first or self.has_last else None
         copies = [s.wte.weight for s in self.stages if s.wte is not None]
         copies += [s.lm_head.weight for s in self.stages if s.lm_head is not None]
         return mine, copies
@@ -232,14 +222,9 @@ class PipelineStrategy(Single):
         params = [p for stage in self.stages for p in stage.parameters() if p.grad is not None]
         # The tied matrix counts once in the norm (on the first stage), as in the whole model.
         twice = self.stages[-1].lm_head.weight if self.tied and self.has_last else None
-        counted = [p for p in params if p is not twice]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in counted])
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()  # over the FSDP shards of this stage's column
-        squared = norm.float() ** 2
-        dist.all_reduce(squared, group=self.mesh.get_group("pp"))  # over the stages
-        norm = squared.sqrt()
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        across = self.mesh["dp"].size() * self.mesh["tp"].size()  # the ranks of one stage
+        norm = global_norm([p for p in params if p is not twice], plain_copies=across)
+        clip_by(params, max_norm, norm)
         return norm
 
     # -------------------------------------------------------------- evaluation
@@ -266,24 +251,25 @@ class PipelineStrategy(Single):
     def sampling_model(self) -> nn.Module | None:
         """Collective: the whole model put together on rank 0 from every stage of replica 0
         (a moment's copy of all parameters, for the eval line's sample); None on other ranks."""
-        pieces = {}
-        for stage in self.stages:  # FSDP's full tensors are gathered over the column: all take part
+        pieces, first = {}, self.dp_rank == 0 and self.tp_rank == 0
+        for stage in self.stages:  # full tensors are gathered over dp and tp: all take part
             full = get_model_state_dict(stage, options=StateDictOptions(full_state_dict=True))
-            pieces.update({k: v.cpu() for k, v in full.items()} if self.dp_rank == 0 else {})
+            full = standard_order(full, self.order)  # QKV rows back from heads-first
+            pieces.update({k: v.cpu() for k, v in full.items()} if first else {})
         gathered = [None] * self.ctx.world_size if self.ctx.is_main else None
         dist.gather_object(pieces, gathered, dst=0)
         if not self.ctx.is_main:
             return None
-        with torch.random.fork_rng(devices=[]):  # building initialises weights: keep the RNG
-            whole = type(self.model)(self.model.config)
-        whole.load_state_dict({k: v for part in gathered for k, v in part.items()})
-        return whole.to(self.device)
+        return assemble(
+            self.model, {k: v for part in gathered for k, v in part.items()}, self.device
+        )
 
     # ------------------------------------------------------------- in words
     def describe(self) -> tuple[str, str]:
-        cfg, dp = self.cfg, self.mesh["dp"].size()
+        cfg, dp, tp = self.cfg, self.mesh["dp"].size(), self.mesh["tp"].size()
         mode = (
-            f"pipeline {cfg.stages} stages ({cfg.schedule}, {cfg.microbatches} microbatches) x "
+            f"pipeline {cfg.stages} stages ({cfg.schedule}, {cfg.microbatches} microbatches)"
+            f"{f' x tensor parallel {tp}' if tp > 1 else ''} x "
             f"{dp} replica{'s' if dp > 1 else ''} ({self.plan.parallel})"
         )
         return mode + self.checkpointing_words(), self.precision()
@@ -320,8 +306,8 @@ class PipelineStrategy(Single):
         model, optim = {}, {}
         for stage, optimizers in zip(self.stages, self.stage_optimizers):
             stage_model, stage_optim = get_state_dict(stage, optimizers, options=FLAT)
-            model.update(stage_model)
-            optim.update(stage_optim)
+            model.update(standard_order(stage_model, self.order))  # QKV rows whole (tensor.py)
+            optim.update(standard_order(stage_optim, self.order))
         return {"model": model, "optimizer": optim}
 
     def read_tensors(self, snapshot) -> dict:
@@ -329,12 +315,14 @@ class PipelineStrategy(Single):
 
     def load_tensor_state(self, state: dict) -> None:
         for stage, optimizers in zip(self.stages, self.stage_optimizers):
-            names, optim_names = (set(d) for d in get_state_dict(stage, optimizers, options=FLAT))
+            model, optim = get_state_dict(stage, optimizers, options=FLAT)
+            wholes = (state["model"], state["optimizer"])
+            mine = [{k: whole[k] for k in d} for whole, d in zip(wholes, (model, optim))]
             set_state_dict(
                 stage,
                 optimizers,
-                model_state_dict={k: state["model"][k] for k in names},
-                optim_state_dict={k: state["optimizer"][k] for k in optim_names},
+                model_state_dict=to_layout(mine[0], model, self.order),
+                optim_state_dict=to_layout(mine[1], optim, self.order),
                 options=FLAT,
             )
 

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mingpt_ddp.config.context import ContextConfig
 from mingpt_ddp.config.pipeline import PipelineConfig
+from mingpt_ddp.config.tensor import TensorConfig
 from mingpt_ddp.errors import ConfigError
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -34,11 +36,20 @@ class Plan:
     tf32: bool = True
     activation_checkpointing: str = "none"  # none | full | every-K (checkpointing.py)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)  # degree 1: no pipeline
+    tensor: TensorConfig = field(default_factory=TensorConfig)  # degree 1: no tensor parallel
+    context: ContextConfig = field(default_factory=ContextConfig)  # degree 1: no context parallel
 
     @classmethod
-    def of(cls, c, device: torch.device, pipeline: PipelineConfig | None = None) -> Plan:
-        """The plan a TrainerConfig (and PipelineConfig) describe on this device ("auto" precision
-        decided here)."""
+    def of(
+        cls,
+        c,
+        device: torch.device,
+        pipeline: PipelineConfig | None = None,
+        tensor: TensorConfig | None = None,
+        context: ContextConfig | None = None,
+    ) -> Plan:
+        """The plan a TrainerConfig (and the pipeline, tensor and context sections) describe on
+        this device ("auto" precision decided here)."""
         use_amp, amp_dtype, _ = choose_precision(c.use_amp, c.amp_dtype, device)
         return cls(
             c.parallel,
@@ -51,26 +62,50 @@ class Plan:
             c.tf32,
             c.activation_checkpointing,
             pipeline or PipelineConfig(),
+            tensor or TensorConfig(),
+            context or ContextConfig(),
         )
 
+    def degrees(self) -> dict[str, int]:
+        """The model-parallel degrees, outermost first (dp, the rest of the world, goes after pp):
+        the mesh's dimensions are pp, dp, cp, tp, so a tensor-parallel group is the closest ranks
+        (on one node, where the links are fastest: TP talks in every layer)."""
+        return {"pp": self.pipeline.degree, "cp": self.context.degree, "tp": self.tensor.degree}
 
-def grid(rank: int, world_size: int, degree: int) -> tuple[int, int, int]:
-    """(pp_rank, dp_rank, dp): this rank's stage column and replica row in a pipeline of degree
-    stages, and how many replicas (stages.py draws the grid)."""
-    if world_size % degree:
+
+def mesh_shape(world_size: int, plan: Plan) -> dict[str, int]:
+    """{"pp", "dp", "cp", "tp"}: how many ranks along each dimension of the run's mesh; dp is what
+    the model-parallel degrees leave of the world."""
+    degrees = plan.degrees()
+    split = degrees["pp"] * degrees["cp"] * degrees["tp"]
+    if world_size % split:
+        named = " x ".join(f"{k}={v}" for k, v in degrees.items() if v > 1)
         raise ConfigError(
-            f"pipeline_config.degree={degree} must divide the world size {world_size} (the "
-            "ranks form stages x replicas); launch a multiple of it or change the degree"
+            f"the model-parallel degrees ({named} = {split} ranks) must divide the world size "
+            f"{world_size}; launch a multiple of {split} processes or change the degrees"
         )
-    dp = world_size // degree
-    return rank // dp, rank % dp, dp
+    return {
+        "pp": degrees["pp"],
+        "dp": world_size // split,
+        "cp": degrees["cp"],
+        "tp": degrees["tp"],
+    }
 
 
-def replica(rank: int, world_size: int, degree: int) -> tuple[int, int]:
+def coordinates(rank: int, shape: dict[str, int]) -> dict[str, int]:
+    """This rank's index along each mesh dimension (row-major: tp varies fastest)."""
+    found = {}
+    for name in reversed(list(shape)):
+        rank, found[name] = divmod(rank, shape[name])
+    return {name: found[name] for name in shape}
+
+
+def replica(rank: int, world_size: int, plan: Plan) -> tuple[int, int]:
     """(dp_rank, dp): which replica's share of the data this rank reads, and how many there are.
-    Without a pipeline (degree 1) every rank is a replica of its own."""
-    _, dp_rank, dp = grid(rank, world_size, degree)
-    return dp_rank, dp
+    The ranks of one replica (its pipeline stages, tensor or context shards) read the same
+    windows; with data parallelism alone every rank is a replica of its own."""
+    shape = mesh_shape(world_size, plan)
+    return coordinates(rank, shape)["dp"], shape["dp"]
 
 
 def choose_precision(

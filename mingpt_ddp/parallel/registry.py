@@ -21,7 +21,13 @@ STRATEGIES = {
     # Not a value of trainer_config.parallel: chosen by pipeline_config.degree > 1, with its
     # replicas over ddp or fsdp (parallel=).
     "pipeline": "mingpt_ddp.parallel.pipeline:PipelineStrategy",
+    # Likewise: tensor_config.degree > 1 (dp over fsdp), context_config.degree > 1 (dp over ddp).
+    "tensor": "mingpt_ddp.parallel.tensor:TensorParallelStrategy",
+    "context": "mingpt_ddp.parallel.context:ContextParallelStrategy",
 }
+
+
+KEYS = {"pp": "pipeline_config.degree", "tp": "tensor_config.degree", "cp": "context_config.degree"}
 
 
 def _load(path: str):
@@ -31,8 +37,16 @@ def _load(path: str):
 
 def build_strategy(parallel: str, model: nn.Module, args):
     """The strategy named by trainer_config.parallel, built around model (a strategy.Strategy)."""
-    if args.plan.pipeline.degree > 1:
-        parallel = "pipeline"
+    split = [name for name, degree in args.plan.degrees().items() if degree > 1]
+    if split == ["pp", "tp"]:  # tensor-parallel stages (pipeline.py)
+        split = ["pp"]
+    if len(split) > 1:
+        raise ConfigError(
+            f"{' x '.join(split)} is not built yet (pp x tp is): set "
+            f"{' or '.join(f'{KEYS[k]}=1' for k in split)}"
+        )
+    if split:
+        parallel = {"pp": "pipeline", "tp": "tensor", "cp": "context"}[split[0]]
     if parallel not in STRATEGIES:
         raise ConfigError(
             f"trainer_config.parallel={parallel} is not one of {', '.join(STRATEGIES)}"

@@ -112,9 +112,9 @@ class Single(Strategy):
 
     def train_step(self, batches: Iterator[Batch], n_micro: int) -> tuple[torch.Tensor, bool]:
         loss_sum = torch.zeros((), device=self.device)
-        for micro, (x, y) in enumerate(batches):
+        for micro, batch in enumerate(batches):  # (x, y), or with positions (context parallel)
             with self.gradient_sync(micro == n_micro - 1), self.precision_context():
-                _, loss = self.train_model(x, y)
+                _, loss = self.train_model(*batch)
             self.scaler.scale(loss / n_micro).backward()  # scale: a no-op unless fp16
             loss_sum += loss.detach()
         self.last_norm = self.clip_and_step()

@@ -1,9 +1,11 @@
 """Cutting the GPT into pipeline stages, and where each stage and each replica lives.
 
-The ranks form a grid with two named dimensions, a DeviceMesh ("pp", "dp") (torchtitan's order:
-pp outermost): global rank = pp_rank * dp + dp_rank. A *row* (one dp_rank, every pp_rank) is one
-whole pipeline, one replica of the model; a *column* (one pp_rank) holds the same stage in every
-replica and averages its gradients over DDP or FSDP. With 4 ranks, 2 stages x 2 replicas:
+The ranks form a grid with named dimensions, a DeviceMesh ("pp", "dp", "tp") (torchtitan's order:
+pp outermost): global rank = (pp_rank * dp + dp_rank) * tp + tp_rank. A *row* (one dp_rank and
+tp_rank, every pp_rank) is one whole pipeline, one replica of the model (or its tp_rank's share
+of one); a *column* (one pp_rank) holds the same stage in every replica and averages its gradients
+over DDP or FSDP. With tensor parallelism (tp > 1) each stage's blocks are split over its tp
+ranks (tensor.py). With 4 ranks, 2 stages x 2 replicas (tp 1):
 
     stage 0: ranks 0, 1   (replica 0, replica 1)
     stage 1: ranks 2, 3
@@ -26,10 +28,13 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.pipelining import PipelineStage
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.parallel.fsdp import DCP_FILES
+from mingpt_ddp.snapshots.layout import FileLayout
 
 
 def block_ranges(n_layer: int, stages: int) -> list[range]:
@@ -102,3 +107,41 @@ class Stage(PipelineStage):
         quiet = self.submod.no_sync() if isinstance(self.submod, DDP) else nullcontext()
         with quiet:
             return super()._forward_metadata_inference(*args, **kwargs)
+
+
+# Optimizer state keyed per parameter ("state.<name>.exp_avg", "param_groups.<name>.lr"), not by
+# position in one param_groups list: each stage holds other parameters, so positional groups from
+# different stages would collide in one DCP snapshot; per name they fit together and reshard.
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _refusal(meta: dict) -> str:
+    degree = meta["pipeline"]["degree"]
+    return (
+        f"was written by a pipeline of {degree} stages in a row; resume it with "
+        "pipeline_config.degree > 1 (any degree that divides the world size), or start a new "
+        "trainer_config.run_dir"
+    )
+
+
+# DCP files like FSDP's, with every key a name of the whole model, so any pipeline layout
+# (another degree, schedule or number of replicas) reads what it holds; other modes refuse them.
+PIPELINE_FILES = FileLayout(
+    kind="pipeline",
+    extension="pipeline",
+    file_names=DCP_FILES.file_names,
+    full_tensors=DCP_FILES.full_tensors,
+    load_into=DCP_FILES.load_into,
+    refusal=_refusal,
+)
+
+
+def check_microbatches(windows: int, microbatches: int) -> None:
+    """A replica's step must cut into equal microbatches: the schedule averages their mean losses,
+    which is the batch's mean only if they are the same size."""
+    if windows % microbatches:
+        raise ConfigError(
+            f"a step's {windows} windows per pipeline (batch_size x grad_accum_steps) do not cut "
+            f"into pipeline_config.microbatches={microbatches} equal pieces; make the "
+            "microbatches divide them"
+        )

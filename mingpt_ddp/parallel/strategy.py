@@ -43,8 +43,12 @@ How the modes beyond data parallelism fit this contract:
   exist; evaluate forwards through the stages and sums over the ranks that have a loss; clipping
   sums each stage's squared norm over the pipeline; sampling_model puts the whole model together
   on rank 0; the data share is the replica's, not the rank's (plan.replica).
-- Context parallelism: a context manager around forward and backward that shards the sequence
-  dimension (torch's context_parallel), entered inside train_step and evaluate.
+- Tensor parallelism (tensor.py): every rank of a group takes part in every forward
+  (forward_on_all_ranks); clipping sums each rank's squares over the world, each value counted
+  once; the QKV rows are put back in the standard order for snapshots and sampling_model.
+- Context parallelism (context.py): train_step and evaluate cut each batch to this rank's chunks
+  of every window, with their positions ((x, y, positions) reach the model), and switch the
+  model's attention kernel to the ring (ring.py) around them.
 - torchft: train_step asks the manager whether the step may commit after the gradients are
   averaged across replica groups; a rejected step returns (loss, False) and is not counted.
 - Horovod: its own ranks and control plane; the optimizer is wrapped by hvd.DistributedOptimizer
@@ -92,6 +96,15 @@ class StrategyArgs:
     """DeepSpeed's own settings (read by the DeepSpeed strategy only)."""
 
 
+def assemble(like: nn.Module, state: dict, device: torch.device) -> nn.Module:
+    """A plain model of like's class and config holding state's whole tensors (a sample's model,
+    put together from shards or stages); the random stream is left as it was."""
+    with torch.random.fork_rng(devices=[]):  # building initialises weights: keep the RNG
+        whole = type(like)(like.config)
+    whole.load_state_dict(state)
+    return whole.to(device)
+
+
 class Strategy:
     """The base of every parallel mode: the contract above, and what most modes share."""
 
@@ -126,9 +139,9 @@ class Strategy:
         # run).
         self.model.eval()
         total, n = torch.zeros((), device=self.device), 0
-        for x, y in batches:
+        for batch in batches:  # (x, y), or with positions (context parallel)
             with self.precision_context():
-                total += self.model(x, y)[1]
+                total += self.model(*batch)[1]
             n += 1
         self.model.train()
         return self.control.mean(total / n).item()

@@ -1,0 +1,198 @@
+"""Tensor, sequence and context parallelism (tensor_config, context_config): each layout trains
+what one process trains and sends the bytes its formula predicts (benchmarks/parallelisms.py),
+a SIGKILLed tp2 job resumes exactly and its snapshot resumes without tensor parallelism, and
+what they cannot run is refused in one line.
+
+The runs through main.py are 8 steps of the tiny model (2 blocks, 2 heads, width 32) with a
+global batch of 4 windows: one process, or 2 ranks of tensor parallelism on the same windows.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO, run_main, start_main, tiny_overrides
+
+from mingpt_ddp.config.context import ContextConfig
+from mingpt_ddp.config.optimizer import OptimizerConfig
+from mingpt_ddp.config.pipeline import PipelineConfig
+from mingpt_ddp.config.tensor import TensorConfig
+from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.metrics import MetricsLog
+from mingpt_ddp.parallel.plan import Plan, coordinates, mesh_shape, replica
+from mingpt_ddp.parallel.strategy import StrategyArgs
+from mingpt_ddp.runtime.distributed import DistContext
+
+FAULTY = REPO / "tests" / "faulty_main.py"
+STEPS = dict(max_steps=8, log_every=1, eval_every=4, save_every=4, sample_chars=24)
+
+
+def ok(result) -> str:
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
+    return result.stdout
+
+
+def history(run_dir) -> list[dict]:
+    return MetricsLog.read(str(run_dir / "metrics.jsonl"))
+
+
+def samples(out: str) -> list[str]:
+    return [line.split("sample:", 1)[1] for line in out.splitlines() if "sample:" in line]
+
+
+def assert_same_run(a: list[dict], b: list[dict], steps: int) -> None:
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, steps + 1))
+    for x, y in zip(a, b):
+        assert abs(x["train_loss"] - y["train_loss"]) <= 1e-5, (x, y)
+        assert abs(x["grad_norm"] - y["grad_norm"]) <= 1e-4 * max(1.0, x["grad_norm"]), (x, y)
+        assert abs(x.get("val_loss", 0) - y.get("val_loss", 0)) <= 1e-5, (x, y)
+
+
+# ------------------------------------------------------------- in process
+
+
+def test_heads_first_gives_each_rank_its_own_heads_q_k_and_v():
+    from mingpt_ddp.parallel.tensor import heads_first
+
+    C, nh, tp = 8, 4, 2  # head size 2
+    rows = [(part, row // 2) for part in "qkv" for row in range(C)]  # (q/k/v, head) per row
+    order = heads_first(C, nh, tp)
+    for rank in range(tp):
+        mine = [rows[i] for i in order[rank * 3 * C // tp : (rank + 1) * 3 * C // tp]]
+        heads = set(range(rank * nh // tp, (rank + 1) * nh // tp))
+        assert [p for p, _ in mine] == ["q"] * 4 + ["k"] * 4 + ["v"] * 4
+        assert {h for _, h in mine} == heads  # whole heads, the same ones for q, k and v
+    assert sorted(order.tolist()) == list(range(3 * C))
+
+
+def test_balanced_chunks_cover_the_window_and_give_each_rank_the_same_causal_work():
+    from mingpt_ddp.parallel.ring import balanced_positions
+
+    T = 16
+    for degree in (2, 4):
+        held = [balanced_positions(T, degree, r) for r in range(degree)]
+        assert sorted(torch.cat(held).tolist()) == list(range(T))
+        work = {int((p + 1).sum()) for p in held}  # keys each rank's queries see, causally
+        assert len(work) == 1, work
+    assert balanced_positions(T, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+
+
+def test_the_mesh_puts_tp_innermost_and_refuses_degrees_that_do_not_divide():
+    plan = Plan(parallel="fsdp", tensor=TensorConfig(degree=2))
+    shape = mesh_shape(4, plan)
+    assert shape == {"pp": 1, "dp": 2, "cp": 1, "tp": 2}
+    assert [coordinates(r, shape)["tp"] for r in range(4)] == [0, 1, 0, 1]
+    assert [replica(r, 4, plan) for r in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    with pytest.raises(ConfigError, match=r"\(tp=2 = 2 ranks\) must divide the world size 3"):
+        mesh_shape(3, plan)
+    with pytest.raises(ConfigError, match="set tensor_config.degree to 2 or more"):
+        TensorConfig(sequence_parallel=True)
+    with pytest.raises(ConfigError, match="context_config.degree must be 1 or more"):
+        ContextConfig(degree=0)
+
+
+def args(world: int, optimizer: str = "adamw", **plan) -> StrategyArgs:
+    ctx = DistContext(0, 0, world, torch.device("cpu"))
+    return StrategyArgs(Plan(**plan), ctx, OptimizerConfig(optimizer=optimizer), 4, 1, None, None)
+
+
+@pytest.mark.parametrize(
+    "strategy, made, refused",
+    [
+        ("tensor", args(4, tensor=TensorConfig(2)), "set trainer_config.parallel=fsdp"),
+        ("tensor", args(2, "muon", tensor=TensorConfig(2)), "tensor_config.degree > 1 splits"),
+        ("tensor", args(2, tensor=TensorConfig(2), compile=True), "set compile=false"),
+        ("context", args(2, parallel="fsdp", context=ContextConfig(2)), "parallel=ddp and"),
+        ("pipeline", args(4, pipeline=PipelineConfig(2), tensor=TensorConfig(2, True)), "sequ"),
+    ],
+)
+def test_each_split_refuses_what_it_would_run_wrongly_naming_the_fix(strategy, made, refused):
+    from mingpt_ddp.parallel.registry import STRATEGIES, _load
+
+    with pytest.raises(ConfigError, match=refused):
+        _load(STRATEGIES[strategy]).check(made)
+    _load(STRATEGIES["tensor"]).check(args(4, parallel="fsdp", tensor=TensorConfig(2)))
+
+
+def test_context_with_tensor_parallelism_is_refused_before_any_group_is_made():
+    from mingpt_ddp.parallel.registry import build_strategy
+
+    made = args(4, tensor=TensorConfig(2), context=ContextConfig(2))
+    with pytest.raises(
+        ConfigError, match="cp x tp is not built yet .* context_config.degree=1 or tensor_config"
+    ):
+        build_strategy("ddp", None, made)
+
+
+# ------------------------------------------------------------- through torchrun
+
+
+@pytest.mark.slow
+def test_parallelisms_tp_sp_cp_match_one_process_and_send_what_the_formulas_say(tmp_path):
+    out = tmp_path / "parallelisms.json"
+    only = "tp2,tp2 sp,cp2,dp2 fsdp x tp2"
+    script = str(REPO / "benchmarks" / "parallelisms.py")
+    result = subprocess.run(
+        [sys.executable, script, "--quick", "--out", str(out), "--only", only],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {r["layout"]: r for r in json.loads(out.read_text())["rows"]}
+    assert sorted(rows) == sorted(only.split(","))
+    for r in rows.values():
+        assert r["max_abs_loss_diff"] <= 1e-4, r
+        assert r["sent_bytes_per_step"] == pytest.approx(r["sent_bytes_formula"], rel=0.1), r
+    tp, sp, cp = rows["tp2"], rows["tp2 sp"], rows["cp2"]
+    assert tp["degrees"] == {"dp": 1, "pp": 1, "tp": 2, "cp": 1} and sp["sequence_parallel"]
+    # TP's 4 all-reduces per block become all-gathers + reduce-scatters of the same bytes
+    assert set(tp["sent_bytes_by_op"][0]) >= {"_c10d_functional::all_reduce"}
+    assert {"all_gather_into_tensor", "reduce_scatter_tensor"} <= {
+        op.split("::")[-1] for op in sp["sent_bytes_by_op"][0]
+    }
+    # half the parameters' split matrices per rank; SP and CP hold fewer activations than TP
+    assert tp["param_bytes_per_rank"] == pytest.approx(tp["param_bytes_formula"], rel=0.01)
+    assert sp["activation_bytes_per_rank"] < tp["activation_bytes_per_rank"]
+    assert cp["activation_bytes_per_rank"] == pytest.approx(cp["activation_bytes_formula"], 0.05)
+
+
+@pytest.fixture(scope="module")
+def one_process(shakespeare, tmp_path_factory):
+    """The reference: one process, batch_size 4, 8 steps; its run directory and output."""
+    run_dir = tmp_path_factory.mktemp("one-process")
+    out = ok(run_main(tiny_overrides(shakespeare, run_dir, **STEPS)))
+    return run_dir, out
+
+
+@pytest.mark.slow
+def test_a_sigkilled_tp2_job_resumes_exactly_and_its_snapshot_resumes_at_tp1(
+    one_process, shakespeare, tmp_path
+):
+    reference, reference_out = one_process
+    job = start_main(
+        tiny_overrides(shakespeare, tmp_path, **STEPS) + ["tensor_config.degree=2"],
+        nproc=2,
+        script=FAULTY,
+        env={"FAULT": "kill:1:6"},
+        torchrun_flags=("--max-restarts=1", "--monitor-interval=0.5"),
+    )
+    out, _ = job.communicate(timeout=240)
+    assert job.returncode == 0, out[-3000:]
+    assert "tensor parallel 2 x 1 replica" in out
+    assert "fault | rank 1 | kill before step 7" in out and "resume | step 4 |" in out, out
+    assert_same_run(history(reference), history(tmp_path), 8)  # steps 5-6 redone alike
+    assert samples(out)[-1] == samples(reference_out)[-1]  # the whole model, put together
+
+    # The tp2 snapshot (DCP shards, QKV rows whole) read by one process: 4 more steps equal
+    # one process resumed from its own step-8 snapshot.
+    more = dict(STEPS, max_steps=12)
+    one = tmp_path.parent / f"{tmp_path.name}-one"
+    shutil.copytree(reference, one)
+    ok(run_main(tiny_overrides(shakespeare, one, **more)))
+    out = ok(run_main(tiny_overrides(shakespeare, tmp_path, **more)))
+    assert "resume | step 8 |" in out and "saved at world size 2, now 1" in out
+    assert_same_run(history(one), history(tmp_path), 12)
