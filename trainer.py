@@ -63,7 +63,7 @@ class Trainer:
         self.strategy = self._build_strategy(model, plan, deepspeed_cfg or DeepSpeedConfig())
         self.model = self.strategy.model  # the plain module (under FSDP: sharded in place)
         self.data_seconds = 0.0  # time spent preparing batches since the last log line
-        torch.manual_seed(c.seed + self.state.stream)  # one seed, a stream per rank (_train_state)
+        torch.manual_seed(c.seed + self.state.stream)  # one seed, a stream each (_train_state)
         main_only = (lambda path: path) if ctx.is_main else (lambda path: "")
         self.metrics = MetricsLog(
             main_only(c.metrics_file), main_only(c.tensorboard_dir), still_owner=store.owns_path
@@ -76,13 +76,14 @@ class Trainer:
         )
 
     def _train_state(self, num_windows: int, plan: Plan) -> TrainState:
-        """The run's progress, its data share (its replica's: the stages, tensor or context shards
-        of a replica read the same windows) and its dropout stream (the tensor-parallel ranks of a
-        replica share one: they hold the same activations; tp is the mesh's innermost dimension)."""
+        """The run's progress, its data share (its replica's) and each rank's dropout stream: a
+        tensor-parallel group's ranks (tp: the innermost mesh dimension) hold the same activations
+        and share one, but not under sequence parallelism (dropout on a rank's own positions)."""
         c, ctx = self.cfg, self.ctx
         share = replica(ctx.rank, ctx.world_size, plan)
+        tp = 1 if plan.tensor.sequence_parallel else plan.tensor.degree
         args = (num_windows, ctx, c.batch_size, c.grad_accum_steps, c.seed, self.control, share)
-        return TrainState(*args, stream=ctx.rank // plan.tensor.degree)
+        return TrainState(*args, streams=[r // tp for r in range(ctx.world_size)])
 
     def _build_strategy(self, model: GPT, plan: Plan, ds: DeepSpeedConfig):
         """The parallel mode named by the config, around the model moved to this rank's device."""

@@ -24,6 +24,7 @@ hold the peak, then a straight line down to min_lr over the last decay_frac of t
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -101,6 +102,18 @@ def update_kernel(params: list, device_type: str) -> dict:
     if len({hasattr(p, "to_local") for p in params}) > 1:  # DTensors and tensors
         return {"fused": False, "foreach": False}
     return {"fused": device_type in ("cuda", "cpu")}
+
+
+@contextmanager
+def own_kernels(optimizers: list[torch.optim.Optimizer]):
+    """Around loading optimizer state: load_state_dict sets every param group's settings from the
+    saved run, its update kernel too (fused, foreach); keep this run's, which update_kernel chose
+    for these parameters (a fused AdamW cannot take a tensor-parallel mix)."""
+    groups = [g for o in optimizers for g in o.param_groups]
+    kept = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in groups]
+    yield
+    for group, flags in zip([g for o in optimizers for g in o.param_groups], kept):
+        group.update(flags)
 
 
 def build_optimizers(

@@ -30,12 +30,13 @@ class TrainState:
         seed: int,
         control: ControlPlane,
         replica: tuple[int, int] | None = None,
-        stream: int | None = None,
+        streams: list[int] | None = None,
     ):
         self.ctx, self.control = ctx, control
-        # Which random stream this rank draws (dropout): its own, unless ranks hold the same
+        # Which random stream each rank draws (dropout): its own, unless ranks hold the same
         # activations (tensor parallelism's ranks), whose masks must then be equal.
-        self.stream = ctx.rank if stream is None else stream
+        self.streams = streams or list(range(ctx.world_size))
+        self.stream = self.streams[ctx.rank]
         # (which replica, how many): the data-parallel coordinates; every rank is its own replica
         # unless a pipeline's stages share one (mingpt_ddp/parallel/stages.py).
         self.replica, self.replicas = replica or (ctx.rank, ctx.world_size)
@@ -69,6 +70,7 @@ class TrainState:
             "data_cursor": self.data_cursor.state_dict(),
             "val_loss": self.last_val_loss,
             "world_size": self.ctx.world_size,
+            "streams": self.streams,
             "global_batch": self.global_batch,
             "rng": self.control.gather({"cpu": torch.get_rng_state(), "cuda": cuda}),
         }
@@ -91,15 +93,17 @@ class TrainState:
 
     def _load_rng(self, state: dict[str, Any]) -> None:
         ctx = self.ctx
-        if state["world_size"] == ctx.world_size:
-            # Same world size: every rank continues its own random stream exactly.
+        saved = state.get("streams") or list(range(state["world_size"]))  # before tp: by rank
+        if saved == self.streams:
+            # The same ranks drawing the same streams: every rank continues its own exactly.
             rng = state["rng"][ctx.rank]
             torch.set_rng_state(rng["cpu"])
             if rng["cuda"] is not None and ctx.device.type == "cuda":
                 torch.cuda.set_rng_state(rng["cuda"], ctx.device)
         else:
-            # Ranks no longer map one-to-one onto the saved streams: start new ones,
-            # still a function of the seed, and of the step so they do not replay step 0's.
+            # Another world size or layout (a dp snapshot at tp2: two ranks must now draw one
+            # stream): start new ones, a function of the seed and of the step, so they do not
+            # replay step 0's.
             torch.manual_seed(self.seed + 100_003 * self.step + self.stream)
 
     def _load_data_cursor(self, state: dict[str, Any]) -> None:

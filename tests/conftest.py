@@ -14,9 +14,11 @@ others own (PROCESS_TESTS). Cheap shell tools (bash -n, git ls-files, mount) do 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import re
 import signal
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -152,6 +154,27 @@ def ddp_reference(shakespeare, tmp_path_factory):
     result = run_main(tiny_overrides(shakespeare, run_dir, **settings) + extra, nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
     return SimpleNamespace(run_dir=run_dir, stdout=result.stdout), settings, extra
+
+
+def parallelisms(out_dir: Path, only: str) -> tuple[dict, Path]:
+    """benchmarks/parallelisms.py --quick on the layouts named in `only` (comma-separated): its
+    rows keyed by layout (exactly those, each within 1e-4 of one process's losses), and the path
+    of its JSON report (the markdown table beside it)."""
+    out = out_dir / "parallelisms.json"
+    script = str(REPO / "benchmarks" / "parallelisms.py")
+    result = subprocess.run(
+        [sys.executable, script, "--quick", "--out", str(out), "--only", only],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = {r["layout"]: r for r in report["rows"]}
+    assert sorted(rows) == sorted(only.split(",")) and report["hardware"]["device"]
+    for r in rows.values():
+        assert r["max_abs_loss_diff"] <= 1e-4, r
+    return rows, out
 
 
 def lose_a_node(survivor, lost, after: str) -> str:

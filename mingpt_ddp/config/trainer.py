@@ -62,8 +62,8 @@ class TrainerConfig:
     """Local JSON-lines file, one record per logged step; empty: <run_dir>/metrics.jsonl; none: no
     file."""
     seed: int = 1337
-    """One seed for everything: initial weights, each rank's dropout stream (seed + rank), data
-    order."""
+    """One seed for everything: initial weights, each rank's dropout stream (seed + rank; the ranks
+    of a tensor-parallel group share seed + rank // degree), data order."""
     sample_chars: int = 200
     """Characters generated at each evaluation (0: none)."""
     parallel: str = "ddp"

@@ -31,6 +31,7 @@ class ContextParallelStrategy(DDPStrategy):
     """DDP's step on this rank's chunks of every window, attention through the ring."""
 
     def __init__(self, model: nn.Module, args: StrategyArgs):
+        self.check(args)  # before any group is made
         shape = mesh_shape(args.ctx.world_size, args.plan)
         self.mesh = init_device_mesh(
             args.ctx.device.type, (shape["dp"], shape["cp"]), mesh_dim_names=("dp", "cp")

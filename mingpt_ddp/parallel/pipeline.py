@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mingpt_ddp.errors import ConfigError, SnapshotMismatch
-from mingpt_ddp.optim import build_optimizers, check_muon_supported
+from mingpt_ddp.optim import build_optimizers, check_muon_supported, own_kernels
 from mingpt_ddp.parallel.checkpointing import apply_activation_checkpointing, checkpointing_words
 from mingpt_ddp.parallel.fsdp import shard_model, write_dcp
 from mingpt_ddp.parallel.plan import coordinates, mesh_shape
@@ -95,7 +95,7 @@ class PipelineStrategy(Single):
         self.mesh = init_device_mesh(
             self.device.type, (cfg.degree, dp, tp), mesh_dim_names=("pp", "dp", "tp")
         )
-        self.order = heads_first(model.config.n_embd, model.config.n_head, tp)
+        self.order = heads_first(model.config.n_embd, tp)
         # Global ranks of this rank's row (one whole pipeline: its replica, its tp index), in
         # stage order.
         self.row = [(q * dp + self.dp_rank) * tp + self.tp_rank for q in range(cfg.degree)]
@@ -254,7 +254,7 @@ class PipelineStrategy(Single):
         pieces, first = {}, self.dp_rank == 0 and self.tp_rank == 0
         for stage in self.stages:  # full tensors are gathered over dp and tp: all take part
             full = get_model_state_dict(stage, options=StateDictOptions(full_state_dict=True))
-            full = standard_order(full, self.order)  # QKV rows back from heads-first
+            full = self.standard(full)
             pieces.update({k: v.cpu() for k, v in full.items()} if first else {})
         gathered = [None] * self.ctx.world_size if self.ctx.is_main else None
         dist.gather_object(pieces, gathered, dst=0)
@@ -306,9 +306,14 @@ class PipelineStrategy(Single):
         model, optim = {}, {}
         for stage, optimizers in zip(self.stages, self.stage_optimizers):
             stage_model, stage_optim = get_state_dict(stage, optimizers, options=FLAT)
-            model.update(standard_order(stage_model, self.order))  # QKV rows whole (tensor.py)
-            optim.update(standard_order(stage_optim, self.order))
+            model.update(self.standard(stage_model))
+            optim.update(self.standard(stage_optim))
         return {"model": model, "optimizer": optim}
+
+    def standard(self, state: dict) -> dict:
+        """With tensor-parallel stages, the QKV rows whole and back in the standard order
+        (tensor.standard_order: a gather); without, state as it is."""
+        return standard_order(state, self.order) if self.mesh["tp"].size() > 1 else state
 
     def read_tensors(self, snapshot) -> dict:
         return snapshot.tensors(into=self.tensor_state())  # DCP reads the keys this rank holds
@@ -318,13 +323,14 @@ class PipelineStrategy(Single):
             model, optim = get_state_dict(stage, optimizers, options=FLAT)
             wholes = (state["model"], state["optimizer"])
             mine = [{k: whole[k] for k in d} for whole, d in zip(wholes, (model, optim))]
-            set_state_dict(
-                stage,
-                optimizers,
-                model_state_dict=to_layout(mine[0], model, self.order),
-                optim_state_dict=to_layout(mine[1], optim, self.order),
-                options=FLAT,
-            )
+            with own_kernels(optimizers):
+                set_state_dict(
+                    stage,
+                    optimizers,
+                    model_state_dict=to_layout(mine[0], model, self.order),
+                    optim_state_dict=to_layout(mine[1], optim, self.order),
+                    options=FLAT,
+                )
 
     def write_files(self, stage: str) -> str:
         return write_dcp(self.tensor_state(), stage)

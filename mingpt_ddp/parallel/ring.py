@@ -90,49 +90,64 @@ def _scores(q, k, visible) -> torch.Tensor:
 
 
 class _Ring(torch.autograd.Function):
+    """Forward and backward in fp32 whatever autocast says: the running log-sum-exp must be exact
+    enough for backward to rebuild the probabilities from it, and MASKED fits no 16-bit type."""
+
     @staticmethod
     def forward(ctx, q, k, v, ring: RingAttention):
-        n, T = len(ring.ranks), q.size(2)
-        q32, kv = q.float(), torch.stack([k, v]).float()  # (B, nh, T/N, hs), (2, B, nh, T/N, hs)
-        out = torch.zeros_like(q32)
-        lse = torch.full(q32.shape[:-1], -math.inf, device=q.device)  # (B, nh, T/N)
-        for step in range(n):
-            source = (ring.index - step) % n  # whose keys and values this rank holds now
-            scores = _scores(q32, kv[0], ring.visible(T, source, q.device))
-            block_lse = scores.logsumexp(-1)  # (B, nh, T/N)
-            new_lse = torch.logaddexp(lse, block_lse)
-            block_out = torch.exp(scores - block_lse[..., None]) @ kv[1]
-            out = out * torch.exp(lse - new_lse)[..., None]
-            out = out + block_out * torch.exp(block_lse - new_lse)[..., None]
-            lse = new_lse
-            if step < n - 1:
-                kv = ring.pass_on(kv)
+        with torch.autocast(q.device.type, enabled=False):
+            out, lse = _ring_forward(q.float(), torch.stack([k, v]).float(), ring)
         ctx.ring = ring
         ctx.save_for_backward(q, k, v, out, lse)
         return out.to(v.dtype)
 
     @staticmethod
     def backward(ctx, d_out):
-        ring = ctx.ring
         q, k, v, out, lse = ctx.saved_tensors
-        n, T = len(ring.ranks), q.size(2)
-        q32, d_out = q.float(), d_out.float()
-        delta = (d_out * out).sum(-1, keepdim=True)  # (B, nh, T/N, 1): rowsum(dO * O)
-        kv, d_kv = torch.stack([k, v]).float(), torch.zeros(2, *k.shape, device=q.device)
-        d_q = torch.zeros_like(q32)
-        scale = 1 / math.sqrt(q.size(-1))
-        for step in range(n):
-            source = (ring.index - step) % n
-            probs = torch.exp(
-                _scores(q32, kv[0], ring.visible(T, source, q.device)) - lse[..., None]
-            )
-            d_probs = d_out @ kv[1].transpose(-2, -1)  # (B, nh, T/N, T/N)
-            d_scores = probs * (d_probs - delta)
-            d_q += d_scores @ kv[0] * scale
-            d_kv[0] += d_scores.transpose(-2, -1) @ q32 * scale  # source's keys
-            d_kv[1] += probs.transpose(-2, -1) @ d_out  # source's values
-            if step < n - 1:  # the gradients travel with the keys and values they belong to
-                both = ring.pass_on(torch.cat([kv, d_kv]))
-                kv, d_kv = both[:2], both[2:]
-        d_kv = ring.pass_on(d_kv) if n > 1 else d_kv  # home: the next rank owns them
+        with torch.autocast(q.device.type, enabled=False):
+            d_q, d_kv = _ring_backward(q.float(), k, v, out, lse, d_out.float(), ctx.ring)
         return d_q.to(q.dtype), d_kv[0].to(k.dtype), d_kv[1].to(v.dtype), None
+
+
+def _ring_forward(q, kv, ring: RingAttention) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (B, nh, T/N, hs) and this rank's kv (2, B, nh, T/N, hs), fp32 -> the attention output
+    (B, nh, T/N, hs) and each query's log-sum-exp over every visible key (B, nh, T/N)."""
+    n, T_local = len(ring.ranks), q.size(2)
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:-1], -math.inf, device=q.device)  # (B, nh, T/N)
+    for step in range(n):
+        source = (ring.index - step) % n  # whose keys and values this rank holds now
+        scores = _scores(q, kv[0], ring.visible(T_local, source, q.device))  # (B, nh, T/N, T/N)
+        block_lse = scores.logsumexp(-1)  # (B, nh, T/N)
+        new_lse = torch.logaddexp(lse, block_lse)
+        block_out = torch.exp(scores - block_lse[..., None]) @ kv[1]  # (B, nh, T/N, hs)
+        out = out * torch.exp(lse - new_lse)[..., None]  # rescale what came before
+        out = out + block_out * torch.exp(block_lse - new_lse)[..., None]
+        lse = new_lse
+        if step < n - 1:
+            kv = ring.pass_on(kv)
+    return out, lse
+
+
+def _ring_backward(q, k, v, out, lse, d_out, ring: RingAttention):
+    """The gradients of q (B, nh, T/N, hs) and of this rank's K and V (2, B, nh, T/N, hs): the
+    probabilities rebuilt per block from the saved log-sum-exp (flash attention's backward)."""
+    n, T_local = len(ring.ranks), q.size(2)
+    delta = (d_out * out).sum(-1, keepdim=True)  # (B, nh, T/N, 1): rowsum(dO * O)
+    kv = torch.stack([k, v]).float()  # (2, B, nh, T/N, hs)
+    d_kv = torch.zeros_like(kv)  # their gradients, (2, B, nh, T/N, hs)
+    d_q = torch.zeros_like(q)
+    scale = 1 / math.sqrt(q.size(-1))
+    for step in range(n):
+        source = (ring.index - step) % n
+        visible = ring.visible(T_local, source, q.device)
+        probs = torch.exp(_scores(q, kv[0], visible) - lse[..., None])  # (B, nh, T/N, T/N)
+        d_scores = probs * (d_out @ kv[1].transpose(-2, -1) - delta)
+        d_q += d_scores @ kv[0] * scale
+        d_kv[0] += d_scores.transpose(-2, -1) @ q * scale  # source's keys
+        d_kv[1] += probs.transpose(-2, -1) @ d_out  # source's values
+        if step < n - 1:  # the gradients travel with the keys and values they belong to
+            both = ring.pass_on(torch.cat([kv, d_kv]))  # (4, B, nh, T/N, hs)
+            kv, d_kv = both[:2], both[2:]
+    d_kv = ring.pass_on(d_kv) if n > 1 else d_kv  # home: the next rank owns them
+    return d_q, d_kv

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from mingpt_ddp.errors import ConfigError
-from mingpt_ddp.optim import build_optimizers, state_tensors
+from mingpt_ddp.optim import build_optimizers, own_kernels, state_tensors
 from mingpt_ddp.parallel.checkpointing import apply_activation_checkpointing
 from mingpt_ddp.parallel.plan import (
     AMP_DTYPES,
@@ -178,13 +178,14 @@ class Single(Strategy):
 
     def load_tensor_state(self, state: dict) -> None:
         options = StateDictOptions(full_state_dict=self.loads_full_tensors(state))
-        set_state_dict(
-            self.train_model,
-            self.optimizers,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-            options=options,
-        )
+        with own_kernels(self.optimizers):  # not the snapshot's: a tp run's may differ
+            set_state_dict(
+                self.train_model,
+                self.optimizers,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optimizer"],
+                options=options,
+            )
 
     def loads_full_tensors(self, state: dict) -> bool:
         """Whether state holds whole tensors that set_state_dict must shard (never, unsharded)."""

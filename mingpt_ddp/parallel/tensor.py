@@ -31,7 +31,11 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
@@ -43,7 +47,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from mingpt_ddp.errors import ConfigError
-from mingpt_ddp.optim import check_muon_supported
+from mingpt_ddp.optim import check_muon_supported, own_kernels
 from mingpt_ddp.parallel.checkpointing import apply_activation_checkpointing
 from mingpt_ddp.parallel.fsdp import DCP_FILES, shard_model, write_dcp
 from mingpt_ddp.parallel.plan import mesh_shape
@@ -51,7 +55,7 @@ from mingpt_ddp.parallel.single import Single, check_no_foreign_options
 from mingpt_ddp.parallel.strategy import StrategyArgs, assemble
 
 
-def heads_first(n_embd: int, n_head: int, degree: int) -> torch.Tensor:
+def heads_first(n_embd: int, degree: int) -> torch.Tensor:
     """The row order of the fused QKV weight (3C, C) that makes a plain split of its rows give
     each rank its own heads' q, k and v. Its rows are (3, nh, hs): split as they are, rank 0 of 2
     would get all of q and half of k. Reordered as (degree, 3, nh / degree, hs), rank r's
@@ -90,7 +94,7 @@ def parallelize(model: nn.Module, mesh, sequence_parallel: bool) -> None:
     parallelism, the embedding's output is cut along the sequence and gathered back before the
     (whole) head."""
     cfg, degree = model.config, mesh.size()
-    order = heads_first(cfg.n_embd, cfg.n_head, degree)
+    order = heads_first(cfg.n_embd, degree)
     for block in model.blocks.children():
         qkv = block.attn.qkv
         with torch.no_grad():  # before the split: each rank's rows become its heads'
@@ -209,12 +213,12 @@ class TensorParallelStrategy(Single):
     forward_on_all_ranks = True  # every forward needs every rank of the group
 
     def __init__(self, model: nn.Module, args: StrategyArgs):
+        self.check(args)  # before any group is made
         shape = mesh_shape(args.ctx.world_size, args.plan)
         self.mesh = init_device_mesh(
             args.ctx.device.type, (shape["dp"], shape["tp"]), mesh_dim_names=("dp", "tp")
         )
-        cfg = model.config
-        self.order = heads_first(cfg.n_embd, cfg.n_head, shape["tp"])
+        self.order = heads_first(model.config.n_embd, shape["tp"])
         super().__init__(model, args)
 
     @classmethod
@@ -222,11 +226,21 @@ class TensorParallelStrategy(Single):
         plan = args.plan
         dp = mesh_shape(args.ctx.world_size, plan)["dp"]
         check_no_foreign_options(plan)
-        if plan.parallel not in ("ddp", "fsdp") or (plan.parallel == "ddp" and dp > 1):
+        if plan.parallel not in ("ddp", "fsdp"):
+            raise ConfigError(
+                f"tensor_config.degree > 1 runs under parallel=ddp (one replica) or fsdp (replicas "
+                f"over FSDP2), not parallel={plan.parallel}: set trainer_config.parallel=fsdp"
+            )
+        if plan.parallel == "ddp" and dp > 1:
             raise ConfigError(
                 f"tensor_config.degree > 1 with {dp} replicas runs them over FSDP2 on the mesh's "
-                f"dp dimension, not parallel={plan.parallel} (DDP takes no DTensor parameters "
-                "through a public API): set trainer_config.parallel=fsdp"
+                "dp dimension (DDP takes no DTensor parameters through a public API): set "
+                "trainer_config.parallel=fsdp"
+            )
+        if plan.use_amp and plan.amp_dtype == "fp16":
+            raise ConfigError(
+                "fp16's GradScaler cannot unscale a mix of DTensor and whole gradients (tensor "
+                "parallelism's blocks and embeddings): use trainer_config.amp_dtype=bf16"
             )
         check_muon_supported(args.optim, "tensor_config.degree > 1")
         if plan.compile:
@@ -254,14 +268,14 @@ class TensorParallelStrategy(Single):
         return model
 
     def autocasts(self) -> bool:
-        return self.plan.use_amp and not self.sharded  # FSDP casts the parameters
+        return self.plan.use_amp and not self.fsdp_replicas  # FSDP casts the parameters
 
     @property
-    def sharded(self) -> bool:
+    def fsdp_replicas(self) -> bool:
         return self.mesh["dp"].size() > 1
 
     def gradient_sync(self, sync: bool) -> AbstractContextManager:
-        if self.sharded:
+        if self.fsdp_replicas:
             self.train_model.set_requires_gradient_sync(sync)
         return nullcontext()
 
@@ -276,7 +290,7 @@ class TensorParallelStrategy(Single):
     def describe(self) -> tuple[str, str]:
         tp, dp = self.mesh["tp"].size(), self.mesh["dp"].size()
         sp = " + sequence parallel" if self.plan.tensor.sequence_parallel else ""
-        over = "fsdp" if self.sharded else "one replica"
+        over = "fsdp" if self.fsdp_replicas else "one replica"
         mode = f"tensor parallel {tp}{sp} x {dp} replica{'s' if dp > 1 else ''} ({over})"
         return mode + self.checkpointing_words(), self.precision()
 
@@ -295,7 +309,7 @@ class TensorParallelStrategy(Single):
         """Collective: the whole model put together on rank 0 (the eval line's sample; a moment's
         copy of all parameters), None on the other ranks. Sampling runs on windows of every
         length from 1 token, which sequence parallelism cannot cut evenly."""
-        state = self.tensor_state()["model"]
+        state = standard_order(get_model_state_dict(self.train_model), self.order)
         whole = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
         return assemble(self.model, whole, self.device) if self.ctx.is_main else None
 
@@ -303,18 +317,13 @@ class TensorParallelStrategy(Single):
         """Whole tensors cut to this run's layout (to_layout); DTensor shards DCP read for this
         layout go in as they are."""
         model_sd, optim_sd = get_state_dict(self.train_model, self.optimizers)
-        kernels = [(g["fused"], g["foreach"]) for o in self.optimizers for g in o.param_groups]
-        set_state_dict(
-            self.train_model,
-            self.optimizers,
-            model_state_dict=to_layout(state["model"], model_sd, self.order),
-            optim_state_dict=to_layout(state["optimizer"], optim_sd, self.order),
-        )
-        # This run's update kernels, not the snapshot's: a fused AdamW cannot take a mix of
-        # DTensors and whole tensors (optim.update_kernel).
-        groups = [g for o in self.optimizers for g in o.param_groups]
-        for group, (fused, foreach) in zip(groups, kernels):
-            group["fused"], group["foreach"] = fused, foreach
+        with own_kernels(self.optimizers):
+            set_state_dict(
+                self.train_model,
+                self.optimizers,
+                model_state_dict=to_layout(state["model"], model_sd, self.order),
+                optim_state_dict=to_layout(state["optimizer"], optim_sd, self.order),
+            )
 
     def read_tensors(self, snapshot) -> dict:
         return snapshot.tensors(into=self.tensor_state() if snapshot.reshardable else None)
