@@ -200,6 +200,7 @@ def build_trainer(job, ctx: DistContext, store: SnapshotStore) -> Trainer:
             "pipeline": job.pipeline_config,
             "tensor": job.tensor_config,
             "context": job.context_config,
+            "torchft": job.torchft_config,
         },
     )
     if ctx.distributed:  # (a sweep's jobs are single processes: nothing to keep between them)
@@ -209,7 +210,7 @@ def build_trainer(job, ctx: DistContext, store: SnapshotStore) -> Trainer:
     writes = ctx.is_main or trainer.strategy.layout is not None
     on_all_ranks(store.check_writable if writes else lambda: None)
     take_snapshot_path(store, tcfg.lease_ttl_s, ctx)
-    on_all_ranks(trainer.snapshots.resume)
+    on_all_ranks(trainer.start)  # heal from a live replica group (torchft), or resume
     return trainer
 
 

@@ -50,18 +50,19 @@ class Trainer:
         run_config: dict[str, Any],
         store: SnapshotStore,
         deepspeed_cfg: DeepSpeedConfig | None = None,
-        splits: dict[str, Any] | None = None,
+        modes: dict[str, Any] | None = None,
     ):
         self.cfg, self.optim_cfg, self.ctx, self.store = trainer_cfg, optim_cfg, ctx, store
         self.dataset, self.run_config, self.device = dataset, run_config, ctx.device
         c, self.control = trainer_cfg, ControlPlane()
-        # splits: {"pipeline", "tensor", "context"}: their config sections (absent: degree 1)
-        plan = Plan.of(c, ctx.device, **(splits or {}))  # "auto" precision decided
+        # modes: the sections of the modes past trainer_config (pipeline, tensor, context, torchft)
+        plan = Plan.of(c, ctx.device, **(modes or {}))  # "auto" precision decided
         # How far the run has got (step, data position, val loss, RNG): what a resume restores.
         self.state = self._train_state(len(dataset.train), plan)
         self.num_params = model.num_params()  # now: ZeRO-3 empties the parameters it partitions
         self.strategy = self._build_strategy(model, plan, deepspeed_cfg or DeepSpeedConfig())
         self.model = self.strategy.model  # the plain module (under FSDP: sharded in place)
+        self.block_size = model.config.block_size  # tokens per window
         self.data_seconds = 0.0  # time spent preparing batches since the last log line
         torch.manual_seed(c.seed + self.state.stream)  # one seed, a stream each (_train_state)
         main_only = (lambda path: path) if ctx.is_main else (lambda path: "")
@@ -148,11 +149,8 @@ class Trainer:
 
     def _to_device(self, ids: torch.Tensor) -> Batch:
         """(B, T+1) ids read from the token file -> inputs x and targets y, (B, T) int64 on the
-        device.
-
-        For a GPU the compact ids (1-2 bytes each, not int64's 8) are copied from page-locked
-        (pinned) host memory: the copy is then a DMA that runs asynchronously, while from
-        ordinary pageable memory it is staged through a pinned buffer first and can stall."""
+        device. For a GPU the compact ids (1-2 bytes each) are copied from pinned host memory: an
+        asynchronous DMA, where pageable memory is staged through a pinned buffer and can stall."""
         if self.device.type == "cuda":
             ids = ids.pin_memory().to(self.device, non_blocking=True)
         ids = ids.long()  # (B, T+1)
@@ -162,9 +160,9 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean validation loss over a fixed, evenly spaced set of windows, averaged over all ranks.
         Its cost depends on eval_iters, batch size and world size, not on the corpus."""
-        B, n_iters, W = self.cfg.batch_size, self.cfg.eval_iters, self.state.replicas
-        val = self.dataset.val
-        starts = val.evenly_spaced(n_iters * B * W)[self.state.replica :: W]  # its replica's share
+        B, n_iters, val = self.cfg.batch_size, self.cfg.eval_iters, self.dataset.val
+        share, W = self.strategy.evaluation_share(self.state.replica, self.state.replicas)
+        starts = val.evenly_spaced(n_iters * B * W)[share::W]  # its share (its replica's)
         return self.strategy.evaluate(
             self._to_device(val.ids(starts[i * B : (i + 1) * B])) for i in range(n_iters)
         )
@@ -184,6 +182,7 @@ class Trainer:
     def train_step(self) -> torch.Tensor | None:
         """One optimizer step over grad_accum_steps micro-batches; returns this rank's mean loss
         (on device), or None where the strategy computed none (a pipeline's earlier stages)."""
+        self._moved_to(self.strategy.begin_step(self.state.step))  # torchft: healed?
         set_learning_rates(
             self.strategy.optimizers, self.optim_cfg, self.state.step, self.cfg.max_steps
         )
@@ -194,14 +193,24 @@ class Trainer:
             self.state.step += 1
         return loss
 
+    def start(self) -> None:
+        """Where training begins: a live torchft replica group's step if one is ahead (this group
+        heals from it, no snapshot read), else the newest snapshot."""
+        if not self._moved_to(self.strategy.begin_step(self.state.step)):
+            self.snapshots.resume()
+
+    def _moved_to(self, step: int | None) -> bool:
+        """Follow the strategy to another step (a heal); whether it moved."""
+        if step is None:
+            return False
+        print0(f"heal | step {self.state.step} -> {step} | copied from a live replica group")
+        self.state.jump_to(step)
+        return True
+
     def _target_reached(self) -> bool:
         """The latest evaluation (this run's, or the snapshot's) met the target_val_loss."""
-        target = self.cfg.target_val_loss
-        return (
-            bool(target)
-            and self.state.last_val_loss is not None
-            and self.state.last_val_loss <= target
-        )
+        target, loss = self.cfg.target_val_loss, self.state.last_val_loss
+        return bool(target) and loss is not None and loss <= target
 
     def train(self) -> bool:
         """Train to max_steps; False if stopped early by SIGTERM/SIGINT (after a snapshot)."""
@@ -233,10 +242,8 @@ class Trainer:
             last = self.state.step == self.cfg.max_steps
             evaluate = self.state.step % self.cfg.eval_every == 0 or last
             if self.state.step % self.cfg.log_every == 0 or evaluate:
-                progress.clear()
-                last = (
-                    self._log(window, t_start, evaluate) or last
-                )  # True: the target loss was reached
+                progress.clear()  # _log: True when the target loss was reached
+                last = self._log(window, t_start, evaluate) or last
             vote = self.snapshots.save_and_vote(last, self.stop_signal)
             if vote.verdict == Verdict.STOP:
                 progress.clear()
@@ -252,18 +259,10 @@ class Trainer:
         )
         return True
 
-    def _tokens_per_step(self) -> int:
-        return (
-            self.cfg.batch_size
-            * self.model.config.block_size
-            * self.state.replicas
-            * self.state.accum_steps
-        )
-
     def _announce(self) -> None:
         """The start-up line: what is about to train, how, and for how long."""
-        cfg, W, tokens = self.cfg, self.ctx.world_size, self._tokens_per_step()
-        epochs = cfg.max_steps * tokens / self.model.config.block_size / len(self.dataset.train)
+        cfg, W, batch = self.cfg, self.ctx.world_size, self.state.global_batch
+        tokens, epochs = batch * self.block_size, cfg.max_steps * batch / len(self.dataset.train)
         mode, precision = self.strategy.describe()
         print0(
             f"train | {self.num_params / 1e6:.2f}M parameters | {mode} | {precision}"
@@ -277,9 +276,8 @@ class Trainer:
         rank holds all of it; ZeRO (any stage) and FSDP split it, 1/N per rank."""
         mine = torch.tensor(float(self.strategy.optimizer_state_bytes()), device=self.device)
         mean = self.control.mean(mine).item()
-        what = "AdamW's 2 moments" + (
-            " + Muon's momentum" if len(self.strategy.optimizers) > 1 else ""
-        )
+        muon = len(self.strategy.optimizers) > 1
+        what = "AdamW's 2 moments" + (" + Muon's momentum" if muon else "")
         print0(f"memory | optimizer state {mean / 1e6:.3f} MB per rank ({what}, mean over ranks)")
 
     def _nothing_to_do(self) -> bool:
@@ -313,7 +311,7 @@ class Trainer:
             "epoch": self.state.data_cursor.epoch,
             "train_loss": round(train_loss, 6),
             "lr": self.strategy.optimizers[0].param_groups[0]["lr"],
-            "tokens_per_sec": round(self._tokens_per_step() / dt_step, 1),
+            "tokens_per_sec": round(self.state.global_batch * self.block_size / dt_step, 1),
             "ms_per_step": round(1e3 * dt_step, 2),
             "grad_norm": round(self.strategy.grad_norm(), 4),
             "data_ms": round(1e3 * self.data_seconds / steps, 3),

@@ -83,6 +83,12 @@ class TrainState:
         if state["global_batch"] != self.global_batch:
             self._keep_global_batch(state["global_batch"])
 
+    def jump_to(self, step: int) -> None:
+        """Continue at another step (a torchft group healed from a peer), reading this replica's
+        windows of that step: its data position is a function of the step, not copied."""
+        self.step = step
+        self.data_cursor.seek(step * self.accum_steps, self.batch_size)
+
     def position(self) -> str:
         """Where the run stands, in words (the resume line)."""
         return (

@@ -126,6 +126,7 @@ def test_a_plain_install_adds_one_package_that_builds_the_schema_outside_the_che
             "optimizer_config",
             "pipeline_config",
             "tensor_config",
+            "torchft_config",
             "trainer_config",
         ]
     )

@@ -3,8 +3,8 @@
 Each section of the config is a dataclass in this package (config/): DataConfig (data.py),
 GPTConfig (model.py), OptimizerConfig (optimizer.py), TrainerConfig (trainer.py), DeepSpeedConfig
 (deepspeed.py), PipelineConfig (pipeline.py), TensorConfig (tensor.py), ContextConfig
-(context.py); they import nothing but the error types, so any part
-of the project can import its section without importing the others. They are the only place a
+(context.py), TorchftConfig (replica_groups.py); they import nothing but the error types, so any
+part of the project can import its section without importing the others. They are the only place a
 key, its type, its default and its meaning are written. This module puts them together as the
 job's schema and registers it with Hydra's ConfigStore; gpt2_train_cfg.yaml composes it through
 its defaults list.
@@ -35,6 +35,7 @@ from mingpt_ddp.config.groups import PARALLEL, RECIPES
 from mingpt_ddp.config.model import MODEL_SIZES, GPTConfig
 from mingpt_ddp.config.optimizer import OptimizerConfig
 from mingpt_ddp.config.pipeline import PipelineConfig
+from mingpt_ddp.config.replica_groups import TorchftConfig
 from mingpt_ddp.config.tensor import TensorConfig
 from mingpt_ddp.config.trainer import TrainerConfig
 from mingpt_ddp.errors import ConfigError
@@ -52,6 +53,7 @@ def sections() -> dict[str, type]:
         "pipeline_config": PipelineConfig,
         "tensor_config": TensorConfig,
         "context_config": ContextConfig,
+        "torchft_config": TorchftConfig,
     }
 
 

@@ -151,6 +151,13 @@ class DataCursor:
             [order.at(first + W * k) for k in range(batch_size)], dtype=torch.int64
         )  # (B,)
 
+    def seek(self, micro_steps: int, batch_size: int) -> None:
+        """Stand where micro_steps micro-steps of batch_size windows per replica leave the job (a
+        torchft group healed to a later step: the steps it missed read none of its windows)."""
+        per_epoch = self.num_windows // (self.world_size * batch_size)  # whole micro-steps
+        self.epoch, done = divmod(micro_steps, per_epoch)
+        self.samples_consumed = done * self.world_size * batch_size
+
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "samples_consumed": self.samples_consumed, "order": self.ORDER}
 

@@ -15,6 +15,7 @@ import torch
 
 from mingpt_ddp.config.context import ContextConfig
 from mingpt_ddp.config.pipeline import PipelineConfig
+from mingpt_ddp.config.replica_groups import TorchftConfig
 from mingpt_ddp.config.tensor import TensorConfig
 from mingpt_ddp.errors import ConfigError
 
@@ -38,6 +39,7 @@ class Plan:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)  # degree 1: no pipeline
     tensor: TensorConfig = field(default_factory=TensorConfig)  # degree 1: no tensor parallel
     context: ContextConfig = field(default_factory=ContextConfig)  # degree 1: no context parallel
+    torchft: TorchftConfig = field(default_factory=TorchftConfig)  # groups 0: no replica groups
 
     @classmethod
     def of(
@@ -47,6 +49,7 @@ class Plan:
         pipeline: PipelineConfig | None = None,
         tensor: TensorConfig | None = None,
         context: ContextConfig | None = None,
+        torchft: TorchftConfig | None = None,
     ) -> Plan:
         """The plan a TrainerConfig (and the pipeline, tensor and context sections) describe on
         this device ("auto" precision decided here)."""
@@ -64,6 +67,7 @@ class Plan:
             pipeline or PipelineConfig(),
             tensor or TensorConfig(),
             context or ContextConfig(),
+            torchft or TorchftConfig(),
         )
 
     def degrees(self) -> dict[str, int]:
@@ -104,6 +108,8 @@ def replica(rank: int, world_size: int, plan: Plan) -> tuple[int, int]:
     """(dp_rank, dp): which replica's share of the data this rank reads, and how many there are.
     The ranks of one replica (its pipeline stages, tensor or context shards) read the same
     windows; with data parallelism alone every rank is a replica of its own."""
+    if plan.torchft.groups:  # torchft: each replica group is a job (of one process) of its own
+        return plan.torchft.group, plan.torchft.groups
     shape = mesh_shape(world_size, plan)
     return coordinates(rank, shape)["dp"], shape["dp"]
 

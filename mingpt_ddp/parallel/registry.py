@@ -24,6 +24,8 @@ STRATEGIES = {
     # Likewise: tensor_config.degree > 1 (dp over fsdp), context_config.degree > 1 (dp over ddp).
     "tensor": "mingpt_ddp.parallel.tensor:TensorParallelStrategy",
     "context": "mingpt_ddp.parallel.context:ContextParallelStrategy",
+    # Likewise: torchft_config.groups > 0, each replica group a torchrun job of its own.
+    "torchft": "mingpt_ddp.parallel.replica_groups:ReplicaGroupStrategy",
 }
 
 
@@ -47,6 +49,13 @@ def build_strategy(parallel: str, model: nn.Module, args):
         )
     if split:
         parallel = {"pp": "pipeline", "tp": "tensor", "cp": "context"}[split[0]]
+    if args.plan.torchft.groups:
+        if split:
+            raise ConfigError(
+                "torchft_config.groups > 0 runs each replica group as one process: set "
+                f"{' and '.join(f'{KEYS[k]}=1' for k in split)}"
+            )
+        parallel = "torchft"
     if parallel not in STRATEGIES:
         raise ConfigError(
             f"trainer_config.parallel={parallel} is not one of {', '.join(STRATEGIES)}"

@@ -14,12 +14,15 @@ The contract, as the Trainer relies on it:
     strategy.model                    the plain nn.Module (for sampling text; its parameters may be
                                       shards, so with forward_on_all_ranks every rank samples)
     strategy.optimizers               the torch optimizers whose param_groups["lr"] the Trainer sets
+    strategy.begin_step(step)         before a step draws its data: None, or the step this rank
+                                      moved to (torchft: healed from a live peer)
     strategy.train_step(batches, n)   one whole optimizer step over n micro-batches (an iterator
                                       of (x, y), each (B, T)): forward, backward, gradient
                                       reduction, global clipping, update. Returns (loss, committed):
                                       the step's mean loss on this rank (a device tensor, not
                                       synchronised) or None where this rank computed none, and
                                       whether the step was applied (the Trainer counts only those)
+    strategy.evaluation_share(r, n)   which share of the validation windows this rank evaluates
     strategy.evaluate(batches)        the mean loss over those batches, averaged over the ranks
     strategy.sampling_model()         the module to generate text with (None: not on this rank)
     strategy.grad_norm()              the last step's global gradient norm, before clipping
@@ -49,8 +52,10 @@ How the modes beyond data parallelism fit this contract:
 - Context parallelism (context.py): train_step and evaluate cut each batch to this rank's chunks
   of every window, with their positions ((x, y, positions) reach the model), and switch the
   model's attention kernel to the ring (ring.py) around them.
-- torchft: train_step asks the manager whether the step may commit after the gradients are
-  averaged across replica groups; a rejected step returns (loss, False) and is not counted.
+- torchft (replica_groups.py): begin_step joins the step's quorum and heals a group that is
+  behind from a live peer; train_step asks the manager whether the step may commit after the
+  gradients are averaged across replica groups; a rejected step returns (loss, False) and is not
+  counted.
 - Horovod: its own ranks and control plane; the optimizer is wrapped by hvd.DistributedOptimizer
   inside the strategy, and StrategyArgs.control is a ControlPlane over Horovod's collectives.
 """
@@ -128,6 +133,10 @@ class Strategy:
         """Refuse settings this mode does not run (ConfigError, naming the setting to change)."""
 
     # -------------------------------------------------------------- the step
+    def begin_step(self, step: int) -> int | None:
+        """Called before each step draws its data: the step this rank moved to, if it moved."""
+        return None
+
     def train_step(
         self, batches: Iterator[Batch], n_micro: int
     ) -> tuple[torch.Tensor | None, bool]:
@@ -145,6 +154,11 @@ class Strategy:
             n += 1
         self.model.train()
         return self.control.mean(total / n).item()
+
+    def evaluation_share(self, replica: int, replicas: int) -> tuple[int, int]:
+        """(which, of how many): the share of the validation windows this rank evaluates; its
+        replica's, so that evaluation splits like training."""
+        return replica, replicas
 
     def sampling_model(self) -> nn.Module | None:
         """The model to generate text with: the plain module (its parameters may be shards, under

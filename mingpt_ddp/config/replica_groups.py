@@ -1,0 +1,37 @@
+"""Per-step fault tolerance's settings (config section `torchft_config`): the code they configure
+is mingpt_ddp/parallel/replica_groups.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mingpt_ddp.errors import ConfigError
+
+
+@dataclass
+class TorchftConfig:
+    """Replica groups under torchft (config section `torchft_config`). groups 0 (the default) is
+    off; above 0, this torchrun job is one of `groups` replica groups that average their gradients
+    through torchft's manager every step and keep training when one of them is lost."""
+
+    groups: int = 0
+    """Replica groups in the whole job (each its own torchrun job, here of one process). 0: off."""
+    group: int = 0
+    """This job's group: 0 .. groups - 1. It reads its own share of the data order (every
+    groups-th window) and needs its own trainer_config.run_dir for its snapshots."""
+    lighthouse: str = ""
+    """The lighthouse's URL (http://host:port); empty: the TORCHFT_LIGHTHOUSE environment
+    variable. Start one with: torchft_lighthouse --min_replicas 1 --bind [::]:29510."""
+    hostname: str = ""
+    """The name the peers reach this group's manager by; empty: this machine's hostname."""
+    timeout_s: float = 30.0
+    """How long a quorum, an all-reduce across groups or a heal may take before the step fails."""
+
+    def __post_init__(self) -> None:
+        if self.groups < 0 or (self.groups and not 0 <= self.group < self.groups):
+            raise ConfigError(
+                f"torchft_config.group must be 0 .. groups - 1 ({self.groups} groups), got "
+                f"{self.group}; give each replica group's job its own number"
+            )
+        if self.timeout_s <= 0:
+            raise ConfigError(f"torchft_config.timeout_s must be positive, got {self.timeout_s}")

@@ -1,0 +1,165 @@
+"""torchft_config.groups > 0: replica groups with per-step fault tolerance (torchft).
+
+Data parallelism over torchrun's process group stops at the first lost rank: torchrun restarts
+every rank and each reloads the last snapshot (mingpt_ddp/snapshots/), so the steps since that
+snapshot are trained again. Here each replica group is a torchrun job of its own, and the groups
+meet through torchft every step instead of through one process group:
+
+- a *lighthouse* (a small server, `torchft_lighthouse`) forms a *quorum* of the groups that are
+  alive at the start of each step: a group that stops heartbeating for longer than the
+  lighthouse's --heartbeat_timeout_ms is left out of the next quorum;
+- the gradients are averaged over the groups in the quorum (the manager's all-reduce, over a
+  process group it rebuilds whenever the quorum changes), and the step is applied only if every
+  member says its all-reduce succeeded (should_commit): a failed step is not counted anywhere;
+- a group that comes back (its torchrun restarted it) *heals*: in its first quorum the manager
+  sees it behind and copies the model, the optimizer state and the step from a live peer, over
+  the same process group (PGTransport), and it trains on at the current step. No snapshot is read.
+
+Each group is one process here: torchft 0.2.0's DDP wrapper runs a dummy process group inside a
+group, so a group of several ranks would need its own gradient reduction composed with the
+manager's. The data order survives a loss: group g reads every groups-th window of the one order
+(the position is a function of the step), so while a group is missing its windows of those steps
+are skipped, the survivors' steps average over fewer windows, and every window is trained at most
+once. Each group writes its own snapshots (its own run_dir, one lease each); they matter only if
+every group is lost at once.
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import torch
+import torch.nn as nn
+
+from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.parallel.single import Single, check_no_foreign_options
+from mingpt_ddp.parallel.strategy import StrategyArgs
+from mingpt_ddp.runtime.distributed import print0
+
+
+def import_torchft():
+    """torchft, or a one-line error naming the extra to install."""
+    try:
+        import torchft
+        from torchft.checkpointing.pg_transport import PGTransport
+    except ImportError as e:
+        raise ConfigError(
+            'torchft_config.groups > 0 needs torchft: pip install -e ".[torchft]" (Linux wheels '
+            f"only) ({e})"
+        ) from e
+    return torchft, PGTransport
+
+
+class ReplicaGroupStrategy(Single):
+    """One process of one replica group: the local step of single.py, the gradients averaged over
+    the groups of this step's quorum, the update applied only when the quorum commits."""
+
+    def __init__(self, model: nn.Module, args: StrategyArgs):
+        super().__init__(model, args)
+        torchft, PGTransport = import_torchft()
+        cfg = self.cfg = args.plan.torchft
+        timeout = timedelta(seconds=cfg.timeout_s)
+        pg = torchft.ProcessGroupGloo(timeout=timeout)
+        self.manager = torchft.Manager(
+            pg=pg,
+            min_replica_size=1,  # one survivor keeps training
+            load_state_dict=self.heal,
+            state_dict=self.peer_state,
+            use_async_quorum=False,  # heal before the step draws its batch, not during it
+            timeout=timeout,
+            quorum_timeout=timeout,
+            connect_timeout=timeout,
+            lighthouse_addr=cfg.lighthouse or None,
+            replica_id=f"group{cfg.group}",
+            hostname=cfg.hostname or socket.gethostname(),
+            checkpoint_transport=PGTransport(pg, timeout=timeout, device=self.device),
+        )
+        self.committed, self.healed, self.joined = True, False, False
+
+    @classmethod
+    def check(cls, args: StrategyArgs) -> None:
+        plan = args.plan
+        if args.ctx.world_size > 1:
+            raise ConfigError(
+                "each torchft replica group is one process here (torchft 0.2.0 runs no reduction "
+                "inside a group): launch each group with torchrun --nproc_per_node=1"
+            )
+        if plan.parallel not in ("ddp", "none"):
+            raise ConfigError(
+                f"torchft_config.groups > 0 averages whole gradients between groups, not "
+                f"parallel={plan.parallel}: set trainer_config.parallel=ddp"
+            )
+        check_no_foreign_options(plan)
+        if plan.use_amp and plan.amp_dtype == "fp16":
+            raise ConfigError(
+                "fp16 under torchft would need GradScaler's skipped steps in the quorum's commit "
+                "vote: use trainer_config.amp_dtype=bf16 or use_amp=false"
+            )
+
+    # ------------------------------------------------------------ the step
+    def begin_step(self, step: int) -> int | None:
+        """Join this step's quorum (healing first if this group is behind); returns the step a
+        heal moved the group to, None if it stays. Once per step: the Trainer joins before it
+        resumes (Trainer.start), and the first step then trains in that same quorum, as the
+        other groups expect (a second quorum would leave them waiting in their all-reduce)."""
+        if self.joined:
+            return None
+        if self.manager.current_step() != step:  # a resumed snapshot: the quorum must know it
+            done = self.manager.batches_committed()
+            self.manager.load_state_dict({"step": step, "batches_committed": done})
+        self.healed, self.joined = False, True
+        self.manager.start_quorum()
+        moved = self.healed and self.manager.current_step() != step
+        return self.manager.current_step() if moved else None
+
+    def heal(self, state: dict) -> None:
+        """torchft's load_state_dict: a live peer's model and optimizer state (not its data
+        position: that is a function of the step, and each group reads its own windows)."""
+        self.model.load_state_dict(state["model"])
+        for optimizer, saved in zip(self.optimizers, state["optimizers"]):
+            optimizer.load_state_dict(saved)
+        self.healed = True
+
+    def peer_state(self) -> dict:
+        """torchft's state_dict: what a healing peer copies from this group."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
+        }
+
+    def train_step(self, batches, n_micro: int) -> tuple[torch.Tensor | None, bool]:
+        loss, _ = super().train_step(batches, n_micro)
+        return loss, self.committed
+
+    def clip_and_step(self) -> torch.Tensor:
+        """Average the gradients over the quorum's groups (one all-reduce of one flat buffer),
+        then clip and step only if every group's all-reduce went through."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        flat = torch.cat([g.flatten() for g in grads])  # (all gradient elements,)
+        self.manager.allreduce(flat).wait()  # the mean over the groups that are there
+        for grad, mean in zip(grads, flat.split([g.numel() for g in grads])):
+            grad.copy_(mean.view_as(grad))
+        self.committed, self.joined = self.manager.should_commit(), False  # the step's quorum ends
+        if not self.committed:  # a group failed mid-step: nobody applies it
+            print0(
+                f"torchft | step {self.manager.current_step() + 1} not committed by the quorum "
+                "(a group failed during it): nothing applied, the step is trained again"
+            )
+            for optimizer in self.optimizers:
+                optimizer.zero_grad(set_to_none=True)
+            return self.last_norm
+        return super().clip_and_step()
+
+    def evaluation_share(self, replica: int, replicas: int) -> tuple[int, int]:
+        """Every group evaluates all the validation windows: the groups' losses agree, and one
+        group alone still reports the job's."""
+        return 0, 1
+
+    def describe(self) -> tuple[str, str]:
+        cfg = self.cfg
+        mode = f"torchft replica group {cfg.group} of {cfg.groups} (heals from a live peer)"
+        return mode + self.checkpointing_words(), self.precision()
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)

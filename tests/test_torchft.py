@@ -1,0 +1,67 @@
+"""Per-step fault tolerance with torchft (torchft_config): two replica groups train through a
+lighthouse; one is SIGKILLed, the other trains on with a pause no longer than the lighthouse's
+heartbeat timeout, and the killed group, restarted by its torchrun, heals from its live peer (no
+snapshot read) and both end at the last step. Skipped where torchft is not installed (its wheels
+are Linux only)."""
+
+import math
+import re
+
+import pytest
+import torch
+
+from mingpt_ddp.config.replica_groups import TorchftConfig
+from mingpt_ddp.corpus.order import DataCursor
+from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.metrics import MetricsLog
+
+STEPS, KILL = 300, 100
+
+
+def test_settings_name_the_group_and_its_fix():
+    with pytest.raises(ConfigError, match="group must be 0 .. groups - 1"):
+        TorchftConfig(groups=2, group=2)
+    with pytest.raises(ConfigError, match="timeout_s must be positive"):
+        TorchftConfig(groups=2, timeout_s=0)
+
+
+def test_a_healed_group_reads_its_own_windows_of_the_step_it_joins_at():
+    """The data position is a function of the step: seeking to step s equals taking s steps."""
+    walked, sought = DataCursor(1000, 2, 1, 7), DataCursor(1000, 2, 1, 7)
+    micro_steps = 3 * 125 + 5  # into the 4th epoch: 1000 windows hold 125 micro-steps of 2 x 4
+    for _ in range(micro_steps):
+        walked.next_starts(4)
+    sought.seek(micro_steps, 4)
+    assert (walked.epoch, walked.samples_consumed) == (sought.epoch, sought.samples_consumed)
+    assert torch.equal(walked.next_starts(4), sought.next_starts(4))
+
+
+@pytest.mark.slow
+def test_a_killed_group_heals_from_its_peer_while_the_other_trains_on(shakespeare, tmp_path):
+    pytest.importorskip("torchft")
+    from benchmarks.fault_tolerance import HEARTBEAT_MS, Lighthouse, group, overrides
+
+    size = dict(steps=STEPS, save_every=50, batch=8)
+    with Lighthouse() as lighthouse:
+        runs = [tmp_path / f"group{g}" for g in (0, 1)]
+        jobs = [
+            group(lighthouse, 0, overrides(shakespeare, runs[0], size)),
+            group(lighthouse, 1, overrides(shakespeare, runs[1], size), f"kill:0:{KILL}"),
+        ]
+        codes = [job.wait(timeout=400) for job in jobs]
+    assert codes == [0, 0], jobs[1].text()[-3000:]
+    survivor, killed = jobs[0], jobs[1]
+    out = killed.text().split("restart 1 |", 1)
+    assert f"fault | rank 0 | kill before step {KILL + 1}" in out[0] and len(out) == 2
+    healed = [int(s) for s in re.findall(r"heal \| step 0 -> (\d+) \|", out[1])]
+    assert healed and healed[0] > KILL, out[1][-2000:]  # rejoined where the survivor was
+    assert "resume |" not in out[1]  # healed from the peer: no snapshot read
+    # The survivor's steps: every one logged once, the longest gap bounded by the heartbeat
+    steps = survivor.steps()  # from 1, or from where it healed to if its peer started first
+    assert [s for _, s in steps] == list(range(steps[0][1], STEPS + 1))
+    gaps = [b - a for (a, _), (b, _) in zip(steps, steps[1:])]
+    assert max(gaps) < HEARTBEAT_MS / 1e3 + 2.0, max(gaps)
+    assert "not committed" not in survivor.text()
+    for run in runs:  # both end at the last step, with a finite loss
+        last = [r for r in MetricsLog.read(str(run / "metrics.jsonl")) if "train_loss" in r][-1]
+        assert last["step"] == STEPS and math.isfinite(last["train_loss"]), last
