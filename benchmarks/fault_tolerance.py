@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -36,7 +39,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import MAIN, free_port, hardware, main_command, start  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    MAIN,
+    free_port,
+    hardware,
+    main_command,
+    start,
+    worker_pid,
+)
+from mingpt_ddp.metrics import MetricsLog  # noqa: E402
 
 FAULTY = REPO / "tests" / "faulty_main.py"
 HEARTBEAT_MS = 2000  # the lighthouse's: how long a silent group stays in the quorum
@@ -70,6 +81,15 @@ class Stamped:
     def first(self, needle: str, after: float = 0.0) -> float | None:
         """When the first line containing needle (at or after `after`) arrived."""
         return next((t for t, line in self.lines if t >= after and needle in line), None)
+
+    def wait_for(self, needle: str, after: float, timeout: float) -> float | None:
+        """Poll until a line containing needle arrived after `after` (or the process ended)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if (t := self.first(needle, after)) is not None:
+                return t
+            time.sleep(0.1)
+        return self.first(needle, after)
 
     def steps(self) -> list[tuple[float, int]]:
         return [(t, int(m.group(1))) for t, line in self.lines if (m := STEP.match(line))]
@@ -115,9 +135,11 @@ def overrides(data: str, run_dir: Path, size: dict) -> list[str]:
     ]
 
 
-def group(lighthouse: Lighthouse, g: int, args: list[str], fault: str | None = None) -> Stamped:
-    """Replica group g of 2: a torchrun job of one process that may restart once."""
-    flags = ("--max-restarts=1", "--monitor-interval=0.5")
+def group(
+    lighthouse: Lighthouse, g: int, args: list[str], fault: str | None = None, restarts: int = 1
+) -> Stamped:
+    """Replica group g of 2: a torchrun job of one process that may restart `restarts` times."""
+    flags = (f"--max-restarts={max(restarts, 1)}", "--monitor-interval=0.5")
     ft = ["torchft_config.groups=2", f"torchft_config.group={g}"]
     env = {"TORCHFT_LIGHTHOUSE": lighthouse.url, "OMP_NUM_THREADS": "1"}
     if fault:
@@ -157,6 +179,65 @@ def run_restart(data: str, work: Path, size: dict, kill: int) -> dict:
     return row("restart", kill, [code], [job], redone, killed, back, None)
 
 
+def run_pair(data: str, work: Path, size: dict, seed: int, kills: int, rng, extra=()) -> dict:
+    """Two replica groups for size["steps"] steps; with kills > 0, SIGKILL a random group's worker
+    at a random moment, kills times, each after the last killed group healed. The final
+    validation loss (every group evaluates every window) and how each group ended."""
+    with Lighthouse() as lighthouse:
+        flags = ["trainer_config.seed=" + str(seed), *extra]
+        jobs = [
+            group(lighthouse, g, overrides(data, work / f"group{g}", size) + flags, restarts=kills)
+            for g in (0, 1)
+        ]
+        for job in jobs if kills else ():  # kill only while both train
+            job.wait_for("train |", after=0.0, timeout=120)
+        for _ in range(kills):
+            time.sleep(rng.uniform(*size.get("kill_window", (3.0, 8.0))))  # a random moment
+            victim = jobs[rng.randrange(2)]
+            pid = worker_pid(victim.proc.pid, 0)
+            if pid is None or victim.proc.poll() is not None:
+                break
+            killed = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            victim.wait_for("heal |", after=killed, timeout=120)
+        codes = [job.wait(timeout=600) for job in jobs]
+    finals = [max((s for _, s in job.steps()), default=0) for job in jobs]
+    val = [
+        r["val_loss"]
+        for r in MetricsLog.read(str(work / "group0" / "metrics.jsonl"))
+        if "val_loss" in r
+    ]
+    return {
+        "seed": seed,
+        "kills": kills,
+        "heals": sum(job.text().count("heal |") for job in jobs),  # the start's included
+        "finished": codes == [0, 0],
+        "final_steps": finals,
+        "val_loss": val[-1] if val else None,
+    }
+
+
+def chaos(data: str, trials: int, size: dict, extra=(), seed: int = 0) -> dict:
+    """Three undisturbed pairs (seeds 1-3), then `trials` pairs (seed 1) with 2 random kills each:
+    every trial must finish at the last step with a finite final loss within the undisturbed
+    spread. The spread is their range widened by its own width on each side: a fourth run of the
+    same kind lands inside the bare range of three only half the time (each of the 4 is equally
+    likely to be the lowest or the highest)."""
+    rng = random.Random(seed)
+    runs = []
+    for run_seed, kills in [(1, 0), (2, 0), (3, 0)] + [(1, 2)] * trials:
+        with tempfile.TemporaryDirectory(prefix="ft-chaos-") as work:
+            runs.append(run_pair(data, Path(work), size, run_seed, kills, rng, extra))
+        print(json.dumps(runs[-1]), flush=True)
+    calm = [r["val_loss"] for r in runs if not r["kills"]]
+    width = max(calm) - min(calm)
+    low, high = min(calm) - width, max(calm) + width
+    for r in runs:
+        loss = r["val_loss"]
+        r["within_spread"] = loss is not None and math.isfinite(loss) and low <= loss <= high
+    return {"spread": [low, high], "runs": runs}
+
+
 def row(mode, kill, codes, jobs, redone, killed, back, pause) -> dict:
     """One row of the table (the issue's schema, and the pause and the final steps)."""
     finals = [max((s for _, s in job.steps()), default=0) for job in jobs]
@@ -176,6 +257,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="200 steps, kills at 55 and 95")
     p.add_argument("--out", help="write the JSON here")
     p.add_argument("--data", default=str(REPO.parent / "shared/data/tinyshakespeare/input.txt"))
+    p.add_argument("--chaos", type=int, default=0, help="also N trials of 2 random kills each")
     args = p.parse_args()
     size, rows = SIZES["quick" if args.quick else "full"], []
     for kill in size["kills"]:
@@ -185,9 +267,13 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     result = {"hardware": hardware(), "heartbeat_timeout_ms": HEARTBEAT_MS, "size": size}
     result["rows"] = rows
+    ok = all(r["finished"] for r in rows)
+    if args.chaos:
+        result["chaos"] = chaos(args.data, args.chaos, size)
+        ok = ok and all(r["finished"] and r["within_spread"] for r in result["chaos"]["runs"])
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    sys.exit(0 if all(r["finished"] for r in rows) else 1)
+    sys.exit(0 if ok else 1)
 
 
 if __name__ == "__main__":
