@@ -9,7 +9,6 @@ import re
 
 import pytest
 import torch
-from conftest import TINY_MODEL
 
 from mingpt_ddp.config.replica_groups import TorchftConfig
 from mingpt_ddp.corpus.order import DataCursor
@@ -66,19 +65,3 @@ def test_a_killed_group_heals_from_its_peer_while_the_other_trains_on(shakespear
     for run in runs:  # both end at the last step, with a finite loss
         last = [r for r in MetricsLog.read(str(run / "metrics.jsonl")) if "train_loss" in r][-1]
         assert last["step"] == STEPS and math.isfinite(last["train_loss"]), last
-
-
-@pytest.mark.slow
-def test_chaos_every_trial_with_random_kills_finishes_like_an_undisturbed_run(shakespeare):
-    """Three undisturbed pairs of groups (seeds 1-3) and one pair whose groups are SIGKILLed at
-    random moments twice: it ends at the last step with a finite loss within the spread (the
-    tiny model, so that four pairs take under a minute)."""
-    pytest.importorskip("torchft")
-    from benchmarks.fault_tolerance import chaos
-
-    size = dict(steps=1000, save_every=500, batch=4, kill_window=(0.5, 1.0))
-    tiny = [f"{k}={v}" for k, v in TINY_MODEL.items() if "batch_size" not in k]
-    result = chaos(str(shakespeare), trials=1, size=size, extra=tiny, seed=1)
-    for run in result["runs"]:
-        assert run["finished"] and run["final_steps"] == [1000, 1000], run
-        assert run["within_spread"], (run, result["spread"])
