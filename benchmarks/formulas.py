@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import math
 
-from benchmarks.comm_bytes import fsdp_formula, padded_bytes, ring_sent_bytes
+import torch
+
+from benchmarks.comm_bytes import fsdp_formula, ring_sent_bytes
 
 
 def bubble(layout: dict) -> float | None:
@@ -106,32 +108,13 @@ def _tp_shape(p, tp: int) -> tuple:
     return tuple(shape)
 
 
-class _Shape:
-    """A stand-in with the shape and element size padded_bytes reads."""
-
-    def __init__(self, shape: tuple):
-        import torch
-
-        self.shape, self._size = torch.Size(shape), 4
-
-    def element_size(self) -> int:
-        return self._size
-
-
 def _fsdp_of_shards(model, tp: int, dp: int, times: int = 1) -> float:
-    """FSDP2 over dp of each rank's TP shards (fsdp_formula's rule on the shard shapes): each
-    block gathered for each of `times` forwards (a pipeline's microbatches) and once more in
-    backward, the root once (it stays gathered), each group's gradients reduce-scattered once.
-    In a pipeline the later microbatches' backwards find the blocks still gathered: torch's
-    PipelineStage sets set_reshard_after_backward(False) until the last (counted: m + 1)."""
-    blocks = list(model.blocks.children())
-    in_blocks = {id(p) for b in blocks for p in b.parameters()}
-    shapes = lambda params: [_Shape(_tp_shape(p, tp)) for p in params]
-    groups = [(padded_bytes(shapes(b.parameters()), dp), times + 1) for b in blocks]
-    root = [p for p in model.parameters() if id(p) not in in_blocks]
-    groups.append((padded_bytes(shapes(root), dp), 1))
-    gather = sum(k * ring_sent_bytes("all_gather", full / dp, dp) for full, k in groups)
-    return gather + sum(ring_sent_bytes("reduce_scatter", full, dp) for full, _ in groups)
+    """FSDP2 over dp of each rank's TP shards: comm_bytes.fsdp_formula on the shard shapes (meta
+    tensors). In a pipeline the later microbatches' backwards find the blocks still gathered:
+    torch's PipelineStage sets set_reshard_after_backward(False) until the last (counted: m + 1
+    gathers of each block per step)."""
+    shard = lambda p: torch.empty(_tp_shape(p, tp), device="meta")  # shape and dtype only
+    return sum(fsdp_formula(model, dp, local=shard, times=times))
 
 
 def context_bytes(layout: dict, strategy, C: int, T: int, G: int) -> float:

@@ -177,6 +177,21 @@ def parallelisms(out_dir: Path, only: str) -> tuple[dict, Path]:
     return rows, out
 
 
+def run_faulty(args: list[str], fault: str, nproc: int = 2) -> str:
+    """main.py with a fault injected (tests/faulty_main.py, FAULT=kind:rank:step) under torchrun
+    --max-restarts=1: its whole output, once the restarted job exited 0."""
+    job = start_main(
+        args,
+        nproc=nproc,
+        script=REPO / "tests" / "faulty_main.py",
+        env={"FAULT": fault},
+        torchrun_flags=("--max-restarts=1", "--monitor-interval=0.5"),
+    )
+    out, _ = job.communicate(timeout=240)
+    assert job.returncode == 0, out[-3000:]
+    return out
+
+
 def lose_a_node(survivor, lost, after: str) -> str:
     """Once the survivor agent prints `after`, SIGKILL the other agent and its workers (a node
     losing power); returns the survivor's whole output when it exits."""

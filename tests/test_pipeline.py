@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import REPO, parallelisms, run_main, start_main, tiny_overrides
+from conftest import parallelisms, run_faulty, run_main, tiny_overrides
 
 from mingpt_ddp.config.optimizer import OptimizerConfig
 from mingpt_ddp.config.pipeline import PipelineConfig
@@ -22,7 +22,6 @@ from mingpt_ddp.metrics import MetricsLog
 from mingpt_ddp.parallel.plan import Plan, coordinates, mesh_shape, replica
 from mingpt_ddp.parallel.stages import block_ranges, cut, stage_ids
 
-FAULTY = REPO / "tests" / "faulty_main.py"
 FOUR_BLOCKS = ["gpt_config.n_layer=4"]
 STEPS = dict(max_steps=8, log_every=1, eval_every=4, save_every=4)
 
@@ -93,15 +92,7 @@ def test_a_sigkilled_stage_restarts_and_the_pipeline_resumes_exactly_then_reshar
     one_process, shakespeare, tmp_path
 ):
     args = tiny_overrides(shakespeare, tmp_path, batch_size=8, **STEPS) + FOUR_BLOCKS
-    job = start_main(
-        args + pipeline(),
-        nproc=2,
-        script=FAULTY,
-        env={"FAULT": "kill:1:6"},
-        torchrun_flags=("--max-restarts=1", "--monitor-interval=0.5"),
-    )
-    out, _ = job.communicate(timeout=240)
-    assert job.returncode == 0, out[-3000:]
+    out = run_faulty(args + pipeline(), "kill:1:6")
     assert "fault | rank 1 | kill before step 7" in out and "resume | step 4 |" in out, out
     assert_same_run(history(one_process), history(tmp_path), 8)  # steps 5-6 redone alike
 

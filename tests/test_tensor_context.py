@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import REPO, parallelisms, run_main, start_main, tiny_overrides
+from conftest import parallelisms, run_faulty, run_main, tiny_overrides
 
 from mingpt_ddp.config.context import ContextConfig
 from mingpt_ddp.config.optimizer import OptimizerConfig
@@ -23,7 +23,6 @@ from mingpt_ddp.parallel.plan import Plan, coordinates, mesh_shape, replica
 from mingpt_ddp.parallel.strategy import StrategyArgs
 from mingpt_ddp.runtime.distributed import DistContext
 
-FAULTY = REPO / "tests" / "faulty_main.py"
 STEPS = dict(max_steps=8, log_every=1, eval_every=4, save_every=4, sample_chars=24)
 
 
@@ -158,15 +157,8 @@ def test_a_sigkilled_tp2_job_resumes_exactly_and_its_snapshot_resumes_at_tp1(
     one_process, shakespeare, tmp_path
 ):
     reference, reference_out = one_process
-    job = start_main(
-        tiny_overrides(shakespeare, tmp_path, **STEPS) + ["tensor_config.degree=2"],
-        nproc=2,
-        script=FAULTY,
-        env={"FAULT": "kill:1:6"},
-        torchrun_flags=("--max-restarts=1", "--monitor-interval=0.5"),
-    )
-    out, _ = job.communicate(timeout=240)
-    assert job.returncode == 0, out[-3000:]
+    args = tiny_overrides(shakespeare, tmp_path, **STEPS) + ["tensor_config.degree=2"]
+    out = run_faulty(args, "kill:1:6")
     assert "tensor parallel 2 x 1 replica" in out
     assert "fault | rank 1 | kill before step 7" in out and "resume | step 4 |" in out, out
     assert_same_run(history(reference), history(tmp_path), 8)  # steps 5-6 redone alike

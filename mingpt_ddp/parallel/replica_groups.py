@@ -160,6 +160,3 @@ class ReplicaGroupStrategy(Single):
         cfg = self.cfg
         mode = f"torchft replica group {cfg.group} of {cfg.groups} (heals from a live peer)"
         return mode + self.checkpointing_words(), self.precision()
-
-    def close(self) -> None:
-        self.manager.shutdown(wait=False)
