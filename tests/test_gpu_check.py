@@ -66,6 +66,17 @@ def test_a_missing_corpus_is_one_line_naming_the_fix(tmp_path):
         gpu_check.find_corpus(str(tmp_path / "absent.txt"))
 
 
+def test_the_cuda_tests_row_is_given_the_corpus(shakespeare, tmp_path, monkeypatch):
+    """The first H200 run: without TINYSHAKESPEARE_PATH the 7 CUDA tests skipped and the row
+    failed; a row of skips is no check."""
+    check = gpu_check.Check("cuda", str(shakespeare), str(tmp_path), only="CUDA-only")
+    calls = []
+    monkeypatch.setattr(check, "command_row", lambda name, cmd, expect, env=None: calls.append(
+        (name, env)))  # fmt: skip
+    gpu_check.run_all(check, gpus=1, half="bf16", cpu_suite=False)
+    assert calls[0] == ("CUDA-only tests", {"TINYSHAKESPEARE_PATH": str(shakespeare)})
+
+
 @pytest.mark.slow
 def test_the_cpu_rehearsal_passes_its_rows_with_finite_losses_under_the_ceiling(
     shakespeare, tmp_path
