@@ -1,11 +1,10 @@
 """The training loop: optimisation, evaluation, logging, and what state goes into a snapshot.
 
 One Trainer runs in every process of the job. How the model is spread over the processes is
-the strategy's (mingpt_ddp/parallel/: none, ddp, fsdp, deepspeed, one module each): under DDP
-each process holds a full copy (replica) of the model, and DistributedDataParallel averages
-the gradients of all replicas with an all-reduce during backward, so every replica takes the
-same optimizer step and the copies stay identical; under FSDP each holds a shard. The Trainer
-never asks which: it hands the strategy batches and gets back a loss.
+the strategy's (mingpt_ddp/parallel/, one module per mode): under DDP each process holds a full
+copy (replica) and DistributedDataParallel averages the replicas' gradients with an all-reduce
+during backward, so every replica takes the same step; under FSDP each holds a shard. The
+Trainer never asks which: it hands the strategy batches and gets back a loss.
 
 Each rank trains on a different shard of every global batch, chosen as a DistributedSampler
 would choose it (mingpt_ddp/corpus/order.py). Data position is kept as *global samples consumed
@@ -235,7 +234,10 @@ class Trainer:
         progress = ProgressLine(self.cfg.max_steps, enabled=self.ctx.is_main)
         window, t_start = LogWindow(self.state.step, self.device), time.perf_counter()
         while self.state.step < self.cfg.max_steps:
-            window.add(self.train_step())
+            step, loss = self.state.step, self.train_step()
+            if self.state.step == step:  # torchft did not commit it: nothing to count, log or save
+                continue
+            window.add(loss)
             if self.state.step == window.start_step + 1:  # AdamW's state exists from step 1
                 self._report_optimizer_memory()
             progress.update(self.state.step)

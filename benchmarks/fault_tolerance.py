@@ -54,8 +54,8 @@ HEARTBEAT_MS = 2000  # the lighthouse's: how long a silent group stays in the qu
 SIZES = {
     # The survivor must still be training when the killed group is back (a restart takes ~6 s
     # here), so that it heals from it: 16 windows a step, and 100+ steps after each kill.
-    "quick": dict(steps=200, save_every=50, kills=(55, 95), batch=16),
-    "full": dict(steps=400, save_every=100, kills=(105, 195), batch=16),
+    "quick": dict(steps=200, save_every=50, kills=(55, 95), batch=16, kill_steps=(10, 40)),
+    "full": dict(steps=400, save_every=100, kills=(105, 195), batch=16, kill_steps=(10, 80)),
 }
 STEP = re.compile(r"^step +(\d+)/")
 
@@ -101,10 +101,11 @@ class Stamped:
 class Lighthouse:
     """torchft's lighthouse on a free loopback port, for as long as the `with` lasts."""
 
-    def __init__(self, heartbeat_ms: int = HEARTBEAT_MS):
+    def __init__(self, heartbeat_ms: int = HEARTBEAT_MS, min_groups: int = 1):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        flags = ["--min_replicas", "1", "--bind", f"[::]:{self.port}", "--join_timeout_ms", "1000"]
+        flags = ["--min_replicas", str(min_groups), "--bind", f"[::]:{self.port}"]
+        flags += ["--join_timeout_ms", "1000"]
         flags += ["--heartbeat_timeout_ms", str(heartbeat_ms), "--quorum_tick_ms", "100"]
         self.cmd = [shutil.which("torchft_lighthouse") or "torchft_lighthouse", *flags]
 
@@ -181,25 +182,18 @@ def run_restart(data: str, work: Path, size: dict, kill: int) -> dict:
 
 def run_pair(data: str, work: Path, size: dict, seed: int, kills: int, rng, extra=()) -> dict:
     """Two replica groups for size["steps"] steps; with kills > 0, SIGKILL a random group's worker
-    at a random moment, kills times, each after the last killed group healed. The final
-    validation loss (every group evaluates every window) and how each group ended."""
-    with Lighthouse() as lighthouse:
+    kills times, each when its peer passes a random step in size["kill_steps"] after the last heal
+    (a step, not a time: a random moment the peer reaches on any machine). With
+    size["min_groups"] 2 the lighthouse waits for both groups, so the peer cannot finish before
+    the killed group is back however slow its restart. The final validation loss (every group
+    evaluates every window), how each group ended, and the steps of each kill and heal."""
+    with Lighthouse(min_groups=size.get("min_groups", 1)) as lighthouse:
         flags = ["trainer_config.seed=" + str(seed), *extra]
         jobs = [
             group(lighthouse, g, overrides(data, work / f"group{g}", size) + flags, restarts=kills)
             for g in (0, 1)
         ]
-        for job in jobs if kills else ():  # kill only while both train
-            job.wait_for("train |", after=0.0, timeout=120)
-        for _ in range(kills):
-            time.sleep(rng.uniform(*size.get("kill_window", (3.0, 8.0))))  # a random moment
-            victim = jobs[rng.randrange(2)]
-            pid = worker_pid(victim.proc.pid, 0)
-            if pid is None or victim.proc.poll() is not None:
-                break
-            killed = time.monotonic()
-            os.kill(pid, signal.SIGKILL)
-            victim.wait_for("heal |", after=killed, timeout=120)
+        events = [kill_and_heal(jobs, size, rng) for _ in range(kills)]
         codes = [job.wait(timeout=600) for job in jobs]
     finals = [max((s for _, s in job.steps()), default=0) for job in jobs]
     val = [
@@ -210,11 +204,34 @@ def run_pair(data: str, work: Path, size: dict, seed: int, kills: int, rng, extr
     return {
         "seed": seed,
         "kills": kills,
+        "killed_at_healed_at": events,
         "heals": sum(job.text().count("heal |") for job in jobs),  # the start's included
+        "restarts": sum(job.text().count("restart | torchrun restarted") for job in jobs),
         "finished": codes == [0, 0],
         "final_steps": finals,
         "val_loss": val[-1] if val else None,
     }
+
+
+def kill_and_heal(jobs: list[Stamped], size: dict, rng) -> list[int | None]:
+    """SIGKILL a random group's worker when its peer passes a random step after the last heal;
+    wait for the killed group's heal. [the peer's step at the kill, the step healed to]."""
+    victim = rng.randrange(2)
+    peer = jobs[1 - victim]
+    healed = [int(n) for n in re.findall(r"heal \| step \d+ -> (\d+)", "\n".join(
+        job.text() for job in jobs))]  # fmt: skip
+    at = max(healed, default=0) + rng.randint(*size["kill_steps"])
+    while peer.proc.poll() is None and max((s for _, s in peer.steps()), default=0) < at:
+        time.sleep(0.02)  # polling the peer's output: its step, not a wait standing in for one
+    pid = worker_pid(jobs[victim].proc.pid, 0)
+    if pid is None or peer.proc.poll() is not None:
+        return [None, None]
+    killed, at = time.monotonic(), max(s for _, s in peer.steps())
+    os.kill(pid, signal.SIGKILL)
+    t = jobs[victim].wait_for("heal |", after=killed, timeout=120)
+    line = next((x for u, x in jobs[victim].lines if u == t and "heal |" in x), "")
+    step = re.search(r"-> (\d+)", line)
+    return [at, int(step.group(1)) if step else None]
 
 
 def chaos(data: str, trials: int, size: dict, extra=(), seed: int = 0) -> dict:
