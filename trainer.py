@@ -32,6 +32,7 @@ from mingpt_ddp.parallel.registry import build_strategy
 from mingpt_ddp.parallel.strategy import Batch, StrategyArgs
 from mingpt_ddp.runtime.distributed import ControlPlane, DistContext, print0
 from mingpt_ddp.runtime.signals import StopSignals
+from mingpt_ddp.runtime.stall import StallWatch, attempt_store
 from mingpt_ddp.snapshots.protocol import Snapshots, Verdict
 from mingpt_ddp.snapshots.store import SnapshotStore
 from mingpt_ddp.train_state import StartsTrace, TrainState
@@ -69,6 +70,8 @@ class Trainer:
             main_only(c.metrics_file), main_only(c.tensorboard_dir), still_owner=store.owns_path
         )
         self.stops = StopSignals(c.collective_timeout_s)  # SIGTERM/SIGINT: step, snapshot, exit
+        # No step for stall_report_s: every rank writes where it is, rank 0 names the late one.
+        self.stall = StallWatch(c.stall_report_s, ctx, c.run_dir, attempt_store(ctx))
         self.trace = StartsTrace(c.trace_samples_path, ctx.rank)  # which windows each step read
         # Resume, periodic saves, and what a failed save or a signal means (states: this Trainer).
         self.snapshots = Snapshots(
@@ -89,10 +92,8 @@ class Trainer:
         """The parallel mode named by the config, around the model moved to this rank's device."""
         set_tf32(plan, self.device)
         c = self.cfg
-        args = StrategyArgs(
-            plan, self.ctx, self.optim_cfg, c.batch_size, c.grad_accum_steps, self.control, ds
-        )
-        return build_strategy(c.parallel, model.to(self.device), args)
+        args = (plan, self.ctx, self.optim_cfg, c.batch_size, c.grad_accum_steps, self.control)
+        return build_strategy(c.parallel, model.to(self.device), StrategyArgs(*args, ds))
 
     @property
     def step(self) -> int:
@@ -125,8 +126,7 @@ class Trainer:
         return {**self.meta_state(), **self.strategy.tensor_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Everything a snapshot restores; model and optimizer if given (DeepSpeed loads its
-        own)."""
+        """Everything a snapshot restores; model and optimizer if given (DeepSpeed loads its)."""
         if "model" in state:
             self.strategy.load_tensor_state(state)
         self.strategy.load_snapshot_meta(state)
@@ -147,9 +147,8 @@ class Trainer:
             yield batch
 
     def _to_device(self, ids: torch.Tensor) -> Batch:
-        """(B, T+1) ids read from the token file -> inputs x and targets y, (B, T) int64 on the
-        device. For a GPU the compact ids (1-2 bytes each) are copied from pinned host memory: an
-        asynchronous DMA, where pageable memory is staged through a pinned buffer and can stall."""
+        """(B, T+1) ids from the token file -> inputs x and targets y, (B, T) int64 on the device.
+        A GPU gets the compact ids (1-2 bytes each) from pinned memory: an asynchronous DMA."""
         if self.device.type == "cuda":
             ids = ids.pin_memory().to(self.device, non_blocking=True)
         ids = ids.long()  # (B, T+1)
@@ -214,7 +213,7 @@ class Trainer:
     def train(self) -> bool:
         """Train to max_steps; False if stopped early by SIGTERM/SIGINT (after a snapshot)."""
         try:
-            with self.stops:
+            with self.stops, self.stall:
                 finished = self._train_loop()
         finally:
             self.trace.close()
@@ -238,6 +237,7 @@ class Trainer:
             if self.state.step == step:  # torchft did not commit it: nothing to count, log or save
                 continue
             window.add(loss)
+            self.stall.beat(self.state.step)
             if self.state.step == window.start_step + 1:  # AdamW's state exists from step 1
                 self._report_optimizer_memory()
             progress.update(self.state.step)

@@ -107,6 +107,10 @@ class TrainerConfig:
     itself."""
     collective_timeout_s: float = 600.0
     """A collective that waits longer than this fails instead of hanging the job."""
+    stall_report_s: float = 300.0
+    """When no step completes for this long, every rank writes its stacks and last collectives to
+    <run_dir>/stall/ and rank 0 names the rank that is behind (mingpt_ddp/runtime/stall.py); keep
+    it below collective_timeout_s, which ends the attempt. 0: off."""
     trace_samples_path: str = ""
     """Directory for per-rank JSON lines of the window starts each rank trains on (to audit data
     order)."""
@@ -197,9 +201,10 @@ class TrainerConfig:
         """What runs beside training (samples, the collectives' timeout, TensorBoard, CPU threads,
         the early stop): checked with the rest, so a missing tensorboard package fails the job
         before it trains."""
-        if self.sample_chars < 0 or self.collective_timeout_s <= 0:
+        if self.sample_chars < 0 or self.collective_timeout_s <= 0 or self.stall_report_s < 0:
             raise ConfigError(
-                "trainer_config: sample_chars must be >= 0 and collective_timeout_s > 0"
+                "trainer_config: sample_chars and stall_report_s must be >= 0 and "
+                "collective_timeout_s > 0"
             )
         if self.tensorboard:
             try:

@@ -120,6 +120,8 @@ def setup_distributed(
         torch.cuda.set_device(chosen)  # one GPU per process, picked by its rank on this node
         for key, value in flight_recorder_env(trace_dir).items():
             os.environ.setdefault(key, value)  # a value the user set wins
+    # The flight recorder counts gloo's collectives too: the stall report compares the counts.
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
     _join(chosen, rank, world_size, restart_count, timedelta(seconds=timeout_s))
     return DistContext(
         rank, local_rank, world_size, chosen, restart_count, local_world_size, run_id

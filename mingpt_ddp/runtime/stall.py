@@ -1,0 +1,151 @@
+"""The stall report: when no step completes for trainer_config.stall_report_s, every rank writes
+where it is, and rank 0 prints one line naming the rank that is behind, before the collective
+timeout ends the attempt.
+
+A hang prints nothing. Every rank waits inside a collective for one rank that never arrives
+(stopped, stuck in I/O, inside another collective), until collective_timeout_s ends the attempt
+with an error that names no culprit. So each rank runs a watcher thread, apart from the training
+thread, that every second publishes a heartbeat to the job's key-value store: a counter, the step,
+and how many collectives this rank has entered (torch's flight recorder, on CPU too). A process
+that is stopped (SIGSTOP, a debugger) or frozen stops heartbeating with it. When the training
+thread has finished no step for stall_report_s:
+
+- every rank that can writes stall/rank_R.txt beside the metrics: its step, its last collectives
+  and the Python stack of every thread (faulthandler: the training thread's stack shows the
+  collective it waits in);
+- rank 0 names the rank that is behind: one whose heartbeat stopped ("silent"), else the one that
+  entered the fewest collectives (the others wait for it in the next), else the lowest step.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import threading
+import time
+
+import torch.distributed as dist
+
+PERIOD_S = 1.0  # how often each watcher heartbeats; a rank silent for 3 periods is stopped
+
+
+def collectives() -> tuple[int, list[str]]:
+    """How many collectives of the default group this rank has entered, and the names of its
+    last few (the flight recorder: on when TORCH_FR_BUFFER_SIZE is set before the group starts;
+    setup_distributed sets it)."""
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace_json
+
+        trace = json.loads(_dump_fr_trace_json())
+    except Exception:  # noqa: BLE001 - no recorder (one process, an older torch): no count
+        return -1, []
+    status = trace.get("pg_status", {}).get("0", {})
+    last = [
+        f"#{e['collective_seq_id']} {e['profiling_name']}"
+        for e in trace.get("entries", [])
+        if e.get("pg_id") == 0
+    ]
+    return int(status.get("last_enqueued_collective", -1)), last[-5:]
+
+
+def attempt_store(ctx) -> dist.Store | None:
+    """This attempt's own key space in the launcher's store (None for one process): heartbeats a
+    dead attempt left there are never read."""
+    from mingpt_ddp.runtime import distributed
+
+    if distributed._JOB_STORE is None:
+        return None
+    return dist.PrefixStore(f"attempt_{ctx.restart_count}/stall", distributed._JOB_STORE)
+
+
+class StallWatch:
+    """Watches the training thread's steps from a thread of its own (start/stop, or `with`)."""
+
+    def __init__(self, after_s: float, ctx, out_dir: str, store: dist.Store | None = None):
+        self.after_s, self.rank, self.world_size = after_s, ctx.rank, ctx.world_size
+        self.out_dir, self.store = out_dir, store  # store: this attempt's; None: one process
+        self.step, self.last = 0, time.monotonic()
+        # seen (rank 0): rank -> (its last counter, since when); one never heard is silent too
+        self.reported, self.beats = False, 0
+        self.seen = {r: (None, self.last) for r in range(self.world_size)}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stall-watch", daemon=True)
+
+    def __enter__(self) -> StallWatch:
+        if self.after_s > 0:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def beat(self, step: int) -> None:
+        """A step completed (the training thread; two assignments, no lock needed)."""
+        self.step, self.last, self.reported = step, time.monotonic(), False
+
+    def _run(self) -> None:
+        while not self._stop.wait(PERIOD_S):
+            try:
+                self._publish()
+                if time.monotonic() - self.last > self.after_s and not self.reported:
+                    self.reported = True
+                    self._report()
+            except Exception as e:  # noqa: BLE001 - a watcher must never end the training
+                print(f"stall | rank {self.rank} | watcher error: {e}", flush=True)
+
+    def _publish(self) -> None:
+        """This rank's heartbeat: a counter (a stopped process stops it), step, collectives."""
+        if self.store is None:
+            return
+        self.beats += 1
+        entered = collectives()[0]
+        self.store.set(str(self.rank), json.dumps([self.beats, self.step, entered]))
+        if self.rank == 0:  # keep, per rank, since when its counter last moved
+            now = time.monotonic()
+            for r, beat in self._heartbeats().items():
+                if self.seen.get(r, (None,))[0] != beat[0]:
+                    self.seen[r] = (beat[0], now)
+
+    def _heartbeats(self) -> dict[int, list[int]]:
+        keys = [str(r) for r in range(self.world_size)]
+        present = [k for k in keys if self.store.check([k])]
+        return {int(k): json.loads(v) for k, v in zip(present, self.store.multi_get(present))}
+
+    def _report(self) -> None:
+        waited = time.monotonic() - self.last
+        path = self._write_where()
+        if self.rank == 0:
+            print(f"stall | no step for {waited:.0f} s after step {self.step} | "
+                  f"{self.behind()} | stacks: {os.path.dirname(path)}/", flush=True)  # fmt: skip
+
+    def _write_where(self) -> str:
+        """stall/rank_R.txt: this rank's step, last collectives and every thread's stack."""
+        os.makedirs(os.path.join(self.out_dir, "stall"), exist_ok=True)
+        path = os.path.join(self.out_dir, "stall", f"rank_{self.rank}.txt")
+        entered, last = collectives()
+        with open(path, "w") as f:
+            f.write(f"rank {self.rank} | step {self.step} | collectives entered {entered}\n")
+            f.write("last collectives: " + ", ".join(last) + "\n\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        return path
+
+    def behind(self) -> str:
+        """Who holds the others up: silent ranks, else fewest collectives, else the lowest step."""
+        if self.store is None:
+            return "one process: see its stack"
+        now, beats = time.monotonic(), self._heartbeats()
+        silent = [r for r, (_, since) in sorted(self.seen.items()) if now - since > 3 * PERIOD_S]
+        if silent:
+            ago = max(now - self.seen[r][1] for r in silent)
+            return f"rank {', '.join(map(str, silent))} silent for {ago:.0f} s: stopped or frozen"
+        for what, index in (("collectives entered", 2), ("step", 1)):
+            values = {r: beat[index] for r, beat in beats.items()}
+            low = min(values.values(), default=0)
+            if low != max(values.values(), default=0):
+                late = [r for r, v in values.items() if v == low]
+                return f"rank {', '.join(map(str, late))} behind: {what} {low}, others more"
+        return "every rank at the same step and collective: a shared wait (I/O, the store?)"

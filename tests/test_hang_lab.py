@@ -1,0 +1,75 @@
+"""When a job hangs: the stall report (mingpt_ddp/runtime/stall.py) names the rank that holds the
+others up, in process and on a SIGSTOPped rank of main.py; tutorials/hang_lab.py's every hang is
+named by its tool, and the job ends (the lab kills it; no test waits for a collective timeout)."""
+
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import REPO, kill_tree, start_main, tiny_overrides, wait_for_line, worker_pid
+
+from mingpt_ddp.runtime.distributed import DistContext
+from mingpt_ddp.runtime.stall import StallWatch
+
+sys.path.insert(0, str(REPO / "tutorials"))
+
+
+def watches(store, world: int = 3) -> list[StallWatch]:
+    cpu = torch.device("cpu")
+    ctxs = [DistContext(rank=r, local_rank=r, world_size=world, device=cpu) for r in range(world)]
+    return [StallWatch(60.0, ctx, "unused", store) for ctx in ctxs]
+
+
+def test_the_rank_behind_is_the_one_with_fewest_collectives_then_the_lowest_step():
+    store = dist.HashStore()
+    rank0, *_ = watches(store)
+    beats = {0: [5, 12, 40], 1: [5, 12, 39], 2: [5, 12, 40]}  # counter, step, collectives
+    for r, beat in beats.items():
+        store.set(str(r), json.dumps(beat))
+    rank0.seen = {r: (5, time.monotonic()) for r in beats}  # every heartbeat fresh
+    assert rank0.behind() == "rank 1 behind: collectives entered 39, others more"
+    store.set("1", json.dumps([5, 11, 40]))
+    assert rank0.behind() == "rank 1 behind: step 11, others more"
+    rank0.seen[2] = (5, time.monotonic() - 10)  # rank 2's counter has not moved for 10 s
+    assert rank0.behind().startswith("rank 2 silent for 10 s: stopped or frozen")
+
+
+@pytest.mark.slow
+def test_the_stall_report_names_a_sigstopped_rank_within_the_configured_time(shakespeare, tmp_path):
+    after = 3.0
+    args = tiny_overrides(
+        shakespeare, tmp_path, max_steps=100000, log_every=1, stall_report_s=after
+    )  # fmt: skip
+    job = start_main(args + ["trainer_config.collective_timeout_s=60"], nproc=2)
+    try:
+        wait_for_line(job, "step      5/", timeout=120)
+        os.kill(worker_pid(job.pid, 1), signal.SIGSTOP)
+        stopped = time.monotonic()
+        line = wait_for_line(job, "stall |", timeout=60)[-1]
+        took = time.monotonic() - stopped
+    finally:
+        kill_tree(job)  # SIGKILL reaches a stopped process too
+    assert "| rank 1 silent for" in line and "stopped or frozen" in line, line
+    assert took < after + 4, took  # the report's period is 1 s; the rank may be mid-step
+    where = (tmp_path / "stall" / "rank_0.txt").read_text()
+    assert "collectives entered" in where and "_train_loop" in where, where[:2000]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name", ["skip", "shape", "order", "raise", "slow", "stopped", "rendezvous"]
+)
+def test_every_hang_of_the_lab_is_named_by_its_tool_and_the_job_ends(name, tmp_path):
+    import hang_lab
+
+    if name == "slow" and shutil.which("py-spy") is None:
+        pytest.skip('py-spy is not installed: pip install -e ".[debug]"')
+    row = hang_lab.run(name, str(tmp_path), budget_s=45)
+    assert row["named"], row
+    assert row["seconds"] < 45
