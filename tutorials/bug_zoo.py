@@ -1,0 +1,192 @@
+"""The bug zoo: famous bugs of distributed training, each one reproduced as a small deviation of
+this project's own training step, with the symptom a user would see, the check that catches it,
+and the code in the project that avoids it.
+
+    python tutorials/bug_zoo.py                              # every bug, explained
+    python tutorials/bug_zoo.py --bug no_sync_around_backward
+    python tutorials/bug_zoo.py --check --out bug_zoo.json   # one line a bug; exit 0 if all hold
+
+The bugs come from the issue trackers of nanoGPT, pytorch/examples and torchtitan. Each exhibit
+runs the buggy variant and the project's code side by side and applies one check to both: the
+check must catch the bug and pass the project. The exhibits that need ranks run in a 2-process
+gloo group this script starts itself (torch.multiprocessing, as tutorials/spawn_launch.py does);
+the rest run in this process. The buggy variants live here, never in the Trainer: they are
+subclasses and copies of the project's pieces with one line changed (tutorials/bugs/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "bugs"))
+
+import local  # noqa: E402 - the exhibits, in tutorials/bugs/
+import ranks  # noqa: E402
+import resume  # noqa: E402
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from base import Row, find_corpus, load_ids  # noqa: E402
+
+WORLD = 2
+# name: (exhibit, ranks it needs, the bug in one line)
+BUGS = {
+    "grad_accum_not_divided": (
+        ranks.grad_accum_not_divided,
+        WORLD,
+        "gradient accumulation: each micro-step's loss backpropagated without / n_micro",
+    ),
+    "no_sync_around_backward": (
+        ranks.no_sync_backward,
+        WORLD,
+        "DDP's no_sync wrapped around the backward only, the forward left outside",
+    ),
+    "logged_loss_rank0_only": (
+        ranks.logged_loss_rank0,
+        WORLD,
+        "the logged training loss is rank 0's own, not averaged over the ranks",
+    ),
+    "per_rank_random_split": (
+        local.per_rank_random_split,
+        1,
+        "each rank splits train/validation with random_split and a seed of its own",
+    ),
+    "save_on_local_rank0": (
+        ranks.save_on_local_rank0,
+        WORLD,
+        "snapshots saved where LOCAL_RANK == 0: once per node, all to one path",
+    ),
+    "missing_map_location": (
+        local.missing_map_location,
+        1,
+        "torch.load of a GPU job's snapshot without map_location",
+    ),
+    "resume_without_scaler_state": (
+        resume.resume_without_scaler,
+        1,
+        "the checkpoint leaves out GradScaler's state (fp16's loss scale)",
+    ),
+    "resume_without_rng_state": (
+        resume.resume_without_rng,
+        1,
+        "the checkpoint leaves out the random number generators' state (dropout)",
+    ),
+    "resume_without_lr_schedule": (
+        resume.resume_without_lr_schedule,
+        1,
+        "the checkpoint leaves out the LR scheduler's state (the schedule restarts)",
+    ),
+    "missing_set_epoch": (
+        local.missing_set_epoch,
+        1,
+        "DistributedSampler.set_epoch never called",
+    ),
+}
+
+
+def rank_main(rank: int, names: list[str], corpus: str, port: int, out: str) -> None:
+    """One rank of the 2-process group (mp.spawn passes rank): run the named exhibits, rank 0
+    writes their rows to out."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)  # two ranks on a few shared cores: one thread each
+    from common import finish, init  # tutorials/common.py: gloo, and a clean exit
+
+    init()
+    ids, vocab = load_ids(corpus)
+    rows = [BUGS[name][0](ids, vocab) for name in names]  # collectives: every rank runs each
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump([asdict(row) for row in rows], f)
+    finish()
+
+
+def run_ranks(names: list[str], corpus: str) -> dict[str, Row]:
+    """The exhibits that need ranks, in a 2-process gloo group on this machine."""
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="bug-zoo-") as folder:
+        out = os.path.join(folder, "rows.json")
+        args = (names, corpus, port, out)
+        mp.start_processes(rank_main, args, nprocs=WORLD, start_method="spawn")
+        with open(out) as f:
+            return {row["bug"]: Row(**row) for row in json.load(f)}
+
+
+def run(names: list[str], corpus: str) -> list[Row]:
+    """Every named exhibit's row, in the order named."""
+    multi = [name for name in names if BUGS[name][1] > 1]
+    rows = run_ranks(multi, corpus) if multi else {}
+    ids, vocab = load_ids(corpus)
+    for name in names:
+        if name not in rows:
+            rows[name] = BUGS[name][0](ids, vocab)
+    return [rows[name] for name in names]
+
+
+def holds(row: Row) -> bool:
+    return row.caught and row.project_passes
+
+
+def one_line(row: Row) -> str:
+    verdict = "caught" if row.caught else "MISSED"
+    project = "project passes" if row.project_passes else "PROJECT FAILS"
+    return f"{row.bug:<28} {verdict}, {project} | {row.symptom} | check: {row.check}"
+
+
+def explain(number: int, row: Row) -> str:
+    """The teaching output of one bug."""
+    verdict = (
+        f"{'yes' if row.caught else 'NO'}: the buggy variant "
+        f"{'fails' if row.caught else 'passes'} the check; the project's code "
+        f"{'passes' if row.project_passes else 'FAILS'} it"
+    )
+    return "\n".join(
+        [
+            f"\n== {number}. {row.bug}: {BUGS[row.bug][2]}",
+            f"symptom:    {row.symptom}",
+            f"check:      {row.check}",
+            f"caught:     {verdict}",
+            f"avoided by: {row.avoided_by}",
+            *(f"            {line}" for line in row.lines),
+        ]
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bug", action="append", choices=list(BUGS), help="only this bug")
+    parser.add_argument("--check", action="store_true", help="one line a bug, exit 1 if any fail")
+    parser.add_argument("--out", help="write the rows as JSON to this file")
+    parser.add_argument("--data", help="the corpus (default: tiny Shakespeare, as the tests find)")
+    args = parser.parse_args()
+    names, corpus, t0 = args.bug or list(BUGS), str(find_corpus(args.data)), time.perf_counter()
+    rows = run(names, corpus)
+    for row in rows:
+        print(one_line(row) if args.check else explain(list(BUGS).index(row.bug) + 1, row))
+    wall = time.perf_counter() - t0
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(
+                {"rows": [row.report() for row in rows], "wall_s": round(wall, 1)}, f, indent=1
+            )
+    good = sum(holds(row) for row in rows)
+    print(f"\n{good} of {len(rows)} bugs caught by their checks, the project passing: {wall:.1f} s")
+    return 0 if good == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
