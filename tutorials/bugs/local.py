@@ -8,9 +8,9 @@ from __future__ import annotations
 import io
 
 import torch
-from base import BLOCK, Row, tiny_gpt
 from torch.utils.data import DistributedSampler, random_split
 
+from bugs.base import BLOCK, Row, tiny_gpt
 from char_dataset import split_point
 from mingpt_ddp.corpus.order import DataCursor
 from mingpt_ddp.snapshots.files import load_bytes, serialize

@@ -12,9 +12,9 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-from base import BATCH, BLOCK, CPU, Row, build, close, tiny_gpt, windows
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
+from bugs.base import BATCH, BLOCK, CPU, Row, build, close, tiny_gpt, windows
 from mingpt_ddp.metrics import LogWindow
 from mingpt_ddp.parallel.ddp import DDPStrategy
 from mingpt_ddp.runtime.distributed import ControlPlane, DistContext
@@ -38,9 +38,9 @@ class LossNotDivided(DDPStrategy):
 
 
 class NoSyncAroundBackward(DDPStrategy):
-    """Bug 2: no_sync around the backward only. DDP reads require_backward_grad_sync in its
-    forward (DistributedDataParallel._pre_forward prepares the reducer there), so a forward run
-    outside no_sync has already armed the all-reduce its backward will do."""
+    """Bug 2: no_sync around the backward only. DDP reads require_backward_grad_sync (what no_sync
+    switches off) in its forward: _post_forward calls reducer.prepare_for_backward there, so a
+    forward outside no_sync has already armed the all-reduce its backward will do."""
 
     def train_step(self, batches, n_micro):
         loss_sum = torch.zeros(())
