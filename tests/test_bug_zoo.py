@@ -8,6 +8,7 @@ gloo group included) and whose report the rank tests read.
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -21,8 +22,8 @@ sys.path.insert(0, str(REPO / "tutorials"))
 import bug_zoo  # noqa: E402 - needs tutorials/ on sys.path first
 from bugs.base import load_ids  # noqa: E402
 
-LOCAL = [name for name, (_, ranks, _) in bug_zoo.BUGS.items() if ranks == 1]
-RANKED = [name for name, (_, ranks, _) in bug_zoo.BUGS.items() if ranks > 1]
+LOCAL = [name for name, bug in bug_zoo.BUGS.items() if bug.ranks == 1]
+RANKED = [name for name, bug in bug_zoo.BUGS.items() if bug.ranks > 1]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def corpus(shakespeare):
 
 @pytest.mark.parametrize("name", LOCAL)
 def test_a_one_process_bug_fails_its_check_where_the_project_passes_it(name, corpus):
-    row = bug_zoo.BUGS[name][0](*corpus)
+    row = bug_zoo.BUGS[name].exhibit(*corpus)
     assert row.bug == name
     assert row.caught, f"{name}: the check missed the bug: {row.symptom}"
     assert row.project_passes, f"{name}: the project fails its own check: {row.symptom}"
@@ -78,3 +79,28 @@ def test_check_writes_every_bug_caught_and_the_project_passing_and_exits_0(zoo):
     # one line a bug, naming it, its symptom and its check
     lines = [line for line in stdout.splitlines() if line.split(" ", 1)[0] in bug_zoo.BUGS]
     assert len(lines) == len(bug_zoo.BUGS) and all("| check: " in line for line in lines)
+
+
+def defined_names() -> set[str]:
+    """Every function and class the project defines, and every method as Class.method."""
+    names = set()
+    for path in [
+        REPO / "trainer.py",
+        REPO / "char_dataset.py",
+        *(REPO / "mingpt_ddp").rglob("*.py"),
+    ]:
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            if isinstance(node, ast.ClassDef):
+                names |= {
+                    f"{node.name}.{item.name}"
+                    for item in node.body
+                    if isinstance(item, ast.FunctionDef)
+                }
+    return names
+
+
+def test_every_bug_names_the_project_code_that_avoids_it():
+    named = {s for bug in bug_zoo.BUGS.values() for s in bug.avoided_by.split(", ")}
+    assert named <= defined_names(), named - defined_names()

@@ -22,8 +22,10 @@ import os
 import socket
 import sys
 import tempfile
+import textwrap
 import time
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.multiprocessing as mp
@@ -31,57 +33,98 @@ from bugs import local, ranks, resume  # the exhibits, in tutorials/bugs/
 from bugs.base import Row, find_corpus, load_ids
 
 WORLD = 2
-# name: (exhibit, ranks it needs, the bug in one line)
+
+
+@dataclass(frozen=True)
+class Bug:
+    exhibit: Callable[[torch.Tensor, int], Row | None]  # (ids, vocab) -> its row (rank 0's)
+    ranks: int  # processes it needs
+    what: str  # the bug, in one line
+    buggy: str  # the line that is wrong
+    right: str  # the project's line
+    avoided_by: str  # where that line is: the project's functions, comma-separated
+
+
 BUGS = {
-    "grad_accum_not_divided": (
+    "grad_accum_not_divided": Bug(
         ranks.grad_accum_not_divided,
         WORLD,
-        "gradient accumulation: each micro-step's loss backpropagated without / n_micro",
+        "gradient accumulation: each micro-step's loss backpropagated whole",
+        "self.scaler.scale(loss).backward()",
+        "self.scaler.scale(loss / n_micro).backward()",
+        "Single.train_step",
     ),
-    "no_sync_around_backward": (
+    "no_sync_around_backward": Bug(
         ranks.no_sync_backward,
         WORLD,
-        "DDP's no_sync wrapped around the backward only, the forward left outside",
+        "DDP's no_sync around the backward only, the forward left outside",
+        "_, loss = model(x, y); with model.no_sync(): loss.backward()",
+        "with self.gradient_sync(last), ...: _, loss = self.train_model(*batch)",
+        "Single.train_step, DDPStrategy.gradient_sync",
     ),
-    "logged_loss_rank0_only": (
+    "logged_loss_rank0_only": Bug(
         ranks.logged_loss_rank0,
         WORLD,
-        "the logged training loss is rank 0's own, not averaged over the ranks",
+        "the logged training loss is rank 0's own, not the mean over the ranks",
+        "if rank == 0: print(loss.item())",
+        "loss_sum, count = control.sum(self.totals.clone()).tolist()",
+        "LogWindow.mean_loss",
     ),
-    "per_rank_random_split": (
+    "per_rank_random_split": Bug(
         local.per_rank_random_split,
         1,
         "each rank splits train/validation with random_split and a seed of its own",
+        "random_split(windows, [0.9, 0.1], generator=Generator().manual_seed(rank))",
+        "n_train = split_point(n, cfg.train_split)",
+        "split_point, CharDataset",
     ),
-    "save_on_local_rank0": (
+    "save_on_local_rank0": Bug(
         ranks.save_on_local_rank0,
         WORLD,
         "snapshots saved where LOCAL_RANK == 0: once per node, all to one path",
+        "if local_rank == 0: torch.save(state, path)",
+        "if not self.is_main: return  # only global rank 0 writes",
+        "DistContext.is_main, Snapshots._write",
     ),
-    "missing_map_location": (
+    "missing_map_location": Bug(
         local.missing_map_location,
         1,
         "torch.load of a GPU job's snapshot without map_location",
+        "torch.load(path)",
+        "torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)",
+        "Snapshots.resume, load_bytes",
     ),
-    "resume_without_scaler_state": (
+    "resume_without_scaler_state": Bug(
         resume.resume_without_scaler,
         1,
         "the checkpoint leaves out GradScaler's state (fp16's loss scale)",
+        "torch.save({'model': ..., 'optimizer': ...}, path)",
+        '"scaler": self.scaler.state_dict(),',
+        "Single.snapshot_meta, Single.load_snapshot_meta",
     ),
-    "resume_without_rng_state": (
+    "resume_without_rng_state": Bug(
         resume.resume_without_rng,
         1,
         "the checkpoint leaves out the random number generators' state (dropout)",
+        "torch.save({'model': ..., 'optimizer': ...}, path)",
+        '"rng": self.control.gather({"cpu": torch.get_rng_state(), "cuda": cuda}),',
+        "TrainState.state_dict, TrainState.load_state_dict",
     ),
-    "resume_without_lr_schedule": (
+    "resume_without_lr_schedule": Bug(
         resume.resume_without_lr_schedule,
         1,
         "the checkpoint leaves out the LR scheduler's state (the schedule restarts)",
+        "scheduler = LambdaLR(optimizer, schedule)  # its state_dict() never saved",
+        "set_learning_rates(self.strategy.optimizers, self.optim_cfg, self.state.step, ...)",
+        "set_learning_rates, Trainer.train_step",
     ),
-    "missing_set_epoch": (
+    "missing_set_epoch": Bug(
         local.missing_set_epoch,
         1,
         "DistributedSampler.set_epoch never called",
+        "for epoch in range(epochs): for batch in loader: ...  # no sampler.set_epoch(epoch)",
+        "FeistelPermutation(self.num_windows, self.seed, epoch)",
+        "DataCursor.permutation, FeistelPermutation",
     ),
 }
 
@@ -101,7 +144,7 @@ def rank_main(rank: int, names: list[str], corpus: str, port: int, out: str) -> 
 
     init()
     ids, vocab = load_ids(corpus)
-    rows = [BUGS[name][0](ids, vocab) for name in names]  # collectives: every rank runs each
+    rows = [BUGS[name].exhibit(ids, vocab) for name in names]  # collectives: every rank runs each
     if rank == 0:
         with open(out, "w") as f:
             json.dump([asdict(row) for row in rows], f)
@@ -123,12 +166,13 @@ def run_ranks(names: list[str], corpus: str) -> dict[str, Row]:
 
 def run(names: list[str], corpus: str) -> list[Row]:
     """Every named exhibit's row, in the order named."""
-    multi = [name for name in names if BUGS[name][1] > 1]
+    multi = [name for name in names if BUGS[name].ranks > 1]
     rows = run_ranks(multi, corpus) if multi else {}
     ids, vocab = load_ids(corpus)
     for name in names:
         if name not in rows:
-            rows[name] = BUGS[name][0](ids, vocab)
+            rows[name] = BUGS[name].exhibit(ids, vocab)
+        rows[name].avoided_by = BUGS[name].avoided_by
     return [rows[name] for name in names]
 
 
@@ -142,8 +186,13 @@ def one_line(row: Row) -> str:
     return f"{row.bug:<28} {verdict}, {project} | {row.symptom} | check: {row.check}"
 
 
+def wrap(label: str, text: str) -> str:
+    return textwrap.fill(text, 100, initial_indent=label, subsequent_indent=" " * len(label))
+
+
 def explain(number: int, row: Row) -> str:
     """The teaching output of one bug."""
+    bug = BUGS[row.bug]
     verdict = (
         f"{'yes' if row.caught else 'NO'}: the buggy variant "
         f"{'fails' if row.caught else 'passes'} the check; the project's code "
@@ -151,11 +200,13 @@ def explain(number: int, row: Row) -> str:
     )
     return "\n".join(
         [
-            f"\n== {number}. {row.bug}: {BUGS[row.bug][2]}",
-            f"symptom:    {row.symptom}",
-            f"check:      {row.check}",
+            f"\n== {number}. {row.bug}: {bug.what}",
+            f"the bug:    {bug.buggy}",
+            f"project:    {bug.right}",
+            f"            (in {row.avoided_by})",
+            wrap("symptom:    ", row.symptom),
+            wrap("check:      ", row.check),
             f"caught:     {verdict}",
-            f"avoided by: {row.avoided_by}",
             *(f"            {line}" for line in row.lines),
         ]
     )

@@ -43,8 +43,8 @@ class Row:
     check: str  # the test that sees it
     caught: bool  # the check failed on the buggy variant
     project_passes: bool  # the check passed on the project's code
-    avoided_by: str  # the symbol in the project that avoids the bug
     lines: list[str] = field(default_factory=list)
+    avoided_by: str = ""  # the project's code that avoids the bug (bug_zoo.BUGS says)
 
     def report(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k != "lines"}

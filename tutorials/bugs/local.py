@@ -55,7 +55,6 @@ def per_rank_random_split(ids: torch.Tensor, vocab: int) -> Row:
         "a leak count: rank 0's validation windows found in another rank's training set",
         bug[0] > 0,
         project[0] == 0,
-        "split_point (CharDataset: one training and one validation region for every rank)",
         [
             "A split is only a split if every rank makes the same one: seeded alike, or, as",
             "here, by position in the text (no window crosses the boundary either).",
@@ -98,7 +97,6 @@ def missing_set_epoch(ids: torch.Tensor, vocab: int) -> Row:
         "is caught",
         bug[0] == bug[1],
         project[0] < project[1],
-        "DataCursor.next_starts (the permutation of epoch N is seeded by (seed, N))",
         [
             "DistributedSampler shuffles with seed + epoch; the epoch is whatever set_epoch",
             "last said, 0 if never called.",
@@ -138,7 +136,6 @@ def missing_map_location(ids: torch.Tensor, vocab: int) -> Row:
         "a load test: a snapshot tagged cuda:0 must load with every tensor on the CPU",
         not bug[0],
         project[0],
-        "Snapshots.resume (SnapshotReader.open_latest(map_location='cpu') -> load_bytes)",
         [
             "torch.load restores each storage to the device it was saved from unless told",
             "otherwise; the project reads to the CPU first, then copies onto each rank's device.",

@@ -104,7 +104,6 @@ def grad_accum_not_divided(ids: torch.Tensor, vocab: int) -> Row | None:
             "micro-steps against one process on the whole global batch",
             not close(bug["norm"], one["norm"]),
             close(project["norm"], one["norm"]),
-            "Single.train_step (loss / n_micro)",
             [
                 "AdamW divides the scale away (m / sqrt(v)), so the loss curve hardly moves; the",
                 "logged grad_norm shows it, and clipping starts too early; under SGD every step",
@@ -132,7 +131,6 @@ def no_sync_backward(ids: torch.Tensor, vocab: int) -> Row | None:
             "all-reduce as often as a step of one",
             bug["allreduces"] != bug_one,
             project["allreduces"] == one,
-            "Single.train_step (the forward inside DDPStrategy.gradient_sync)",
             [
                 "DDP decides in its forward whether the backward will all-reduce: no_sync must",
                 "cover the forward; wrapped around the backward alone it changes nothing.",
@@ -158,7 +156,6 @@ def logged_loss_rank0(ids: torch.Tensor, vocab: int) -> Row | None:
             "loss on the whole global batch",
             not close(own[0], one["loss"]),
             close(logged, one["loss"]),
-            "LogWindow.mean_loss",
             [
                 "Each rank's loss is over its own share of the batch; only the mean over the ranks",
                 "is the loss of the step every replica took.",
@@ -201,7 +198,6 @@ def save_on_local_rank0(ids: torch.Tensor, vocab: int) -> Row | None:
             "writers per snapshot path: the ranks that wrote it, noted beside it",
             bug > 1,
             project == 1,
-            "DistContext.is_main (Snapshots._write saves on global rank 0)",
             [
                 "Every node has a local rank 0; on a shared file system all of them write the",
                 "same path at once. Global rank 0 is one process in the whole job.",

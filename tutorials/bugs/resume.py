@@ -149,7 +149,6 @@ def resume_without_scaler(ids: torch.Tensor, vocab: int) -> Row:
         CHECK,
         not equivalent(bug),
         equivalent(project),
-        "Single.snapshot_meta (the 'scaler' entry) and Single.load_snapshot_meta",
         [
             "fp16's loss scale is found by trial (halved on every overflow, a skipped step);",
             "forgetting it pays the search again and shifts the whole curve after the resume.",
@@ -165,7 +164,6 @@ def resume_without_rng(ids: torch.Tensor, vocab: int) -> Row:
         CHECK,
         not equivalent(bug),
         equivalent(project),
-        "TrainState.state_dict (the 'rng' entry: every rank's stream)",
         [
             "The resumed process seeds its generator as a new run does, so its dropout masks",
             "repeat those of the first steps instead of continuing the stream.",
@@ -178,13 +176,12 @@ def resume_without_lr_schedule(ids: torch.Tensor, vocab: int) -> Row:
     straight, after = bug
     return Row(
         "resume_without_lr_schedule",
-        f"the learning rate of step {SAVE_AT + 2} is {after[1]['lr']:.2e} after the resume "
-        f"against {straight[1]['lr']:.2e} uninterrupted (the scheduler counts from 0 again); "
+        f"the learning rate of step {SAVE_AT + 1} is {after[0]['lr']:.2e} after the resume "
+        f"against {straight[0]['lr']:.2e} uninterrupted (the scheduler counts from 0 again); "
         f"{loss_jump(bug)}",
         CHECK,
         not equivalent(bug),
         equivalent(project),
-        "set_learning_rates (the rate a function of TrainState.step, which the snapshot holds)",
         [
             "An LR scheduler is state: unsaved, it starts warmup over from step 0 after every",
             "resume. The project keeps no scheduler; the step decides the rate.",
