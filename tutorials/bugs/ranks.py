@@ -124,7 +124,7 @@ def no_sync_backward(ids: torch.Tensor, vocab: int) -> Row | None:
             "no_sync_around_backward",
             f"{bug['allreduces']} gradient all-reduces per optimizer step at {ACCUM} "
             f"micro-steps (the project: {project['allreduces']}; without accumulation: "
-            f"{one}); the same loss ({bug['loss'].item():.4f} and "
+            f"{one}); the same loss on rank 0 ({bug['loss'].item():.4f} and "
             f"{project['loss'].item():.4f}) and gradient norm ({bug['norm']:.4f} and "
             f"{project['norm']:.4f}): the loss cannot show it",
             f"a count of all-reduces (a DDP comm hook): a step of {ACCUM} micro-steps must "
@@ -193,8 +193,8 @@ def save_on_local_rank0(ids: torch.Tensor, vocab: int) -> Row | None:
     return on_rank0(
         Row(
             "save_on_local_rank0",
-            f"{bug} writers of one snapshot path on 2 nodes (the project: {project}): the "
-            "file is whichever rank finished last, or a mix of both",
+            f"{bug} writers of one snapshot path on 2 nodes (the project: {project}): two "
+            "processes truncating and writing the same file at once",
             "writers per snapshot path: the ranks that wrote it, noted beside it",
             bug > 1,
             project == 1,
