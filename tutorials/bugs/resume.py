@@ -21,9 +21,10 @@ from mingpt_ddp.train_state import TrainState
 
 STEPS, SAVE_AT, SEED = 8, 4, 1337
 OPTIM = OptimizerConfig(learning_rate=3e-3, warmup_steps=STEPS)  # warming up: a new LR each step
-# A first loss scale above what this model's fp16 gradients hold (as torch's default, 65536, is
-# for many models): the first steps overflow and are skipped while GradScaler halves it; a run
-# that forgets the scale it found goes through that again.
+# A first loss scale above what this model's fp16 gradients hold: the first steps overflow and
+# are skipped while GradScaler halves it ("the scale factor often causes infs/NaNs to appear in
+# gradients for the first few iterations as its value calibrates", its docstring says of the
+# default); a run that forgets the scale it found goes through that again.
 INIT_SCALE = 2.0**20
 
 
