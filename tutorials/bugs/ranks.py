@@ -24,7 +24,7 @@ ACCUM = 2  # micro-steps per optimizer step
 
 class LossNotDivided(DDPStrategy):
     """Bug 1: each micro-step's loss backpropagated whole, so the gradients are summed over the
-    micro-steps instead of averaged (nanoGPT's and pytorch/examples' classic)."""
+    micro-steps instead of averaged (a classic of training scripts' issue trackers)."""
 
     def train_step(self, batches, n_micro):
         loss_sum = torch.zeros(())
@@ -87,27 +87,30 @@ def ddp_step(ids, vocab, starts, cls=None, accum: int = ACCUM) -> dict:
     # micro-step m of rank r: the (m * W + r)-th slice of B windows, as DataCursor deals them
     micro = [windows(ids, starts[(m * world + rank) * BATCH :][:BATCH]) for m in range(accum)]
     loss, _ = strategy.train_step(iter(micro), accum)
-    return {"loss": loss, "norm": strategy.grad_norm(), "allreduces": len(calls)}
+    weights = torch.cat([p.detach().flatten() for p in strategy.model.parameters()])  # (P,)
+    return {"loss": loss, "norm": strategy.grad_norm(), "allreduces": len(calls), "w": weights}
 
 
 def grad_accum_not_divided(ids: torch.Tensor, vocab: int) -> Row | None:
     starts = global_batch(ids)
     one = one_process(ids, vocab, starts)
     bug, project = ddp_step(ids, vocab, starts, LossNotDivided), ddp_step(ids, vocab, starts)
+    same_step = torch.allclose(bug["w"], project["w"])
     return on_rank0(
         Row(
             "grad_accum_not_divided",
             f"gradient norm {bug['norm']:.4f} against {one['norm']:.4f} for one process on the "
             f"same global batch ({bug['norm'] / one['norm']:.2f}x at {ACCUM} micro-steps); "
-            f"the project's {project['norm']:.4f}",
+            f"the project's {project['norm']:.4f}; the weights after the step: "
+            f"{'the same' if same_step else 'different'}",
             f"equivalence with one process: one step's gradient norm, 2 ranks x {ACCUM} "
             "micro-steps against one process on the whole global batch",
             not close(bug["norm"], one["norm"]),
             close(project["norm"], one["norm"]),
             [
-                "AdamW divides the scale away (m / sqrt(v)), so the loss curve hardly moves; the",
-                "logged grad_norm shows it, and clipping starts too early; under SGD every step",
-                "is too large by the same factor.",
+                "Clipping (grad_clip 1.0, below both norms) cuts both gradients to one norm,",
+                "and AdamW's m / sqrt(v) is blind to scale anyway: the loss cannot show it, the",
+                "logged grad_norm does. Unclipped, SGD would step that many times too far.",
             ],
         )
     )
@@ -186,6 +189,7 @@ def save_on_local_rank0(ids: torch.Tensor, vocab: int) -> Row | None:
     state = tiny_gpt(vocab).state_dict()
     bug = writers_of(os.path.join(folder[0], "bug.pt"), ctx.local_rank == 0, state)
     project = writers_of(os.path.join(folder[0], "project.pt"), ctx.is_main, state)
+    dist.barrier()  # every rank has counted: the folder may go
     if dist.get_rank() == 0:
         for name in os.listdir(folder[0]):
             os.remove(os.path.join(folder[0], name))
