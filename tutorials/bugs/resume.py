@@ -85,7 +85,7 @@ class Run:
 _straight: dict = {}
 
 
-def straight_run(ids: torch.Tensor, vocab: int, scheduler: bool) -> tuple[list[dict], dict]:
+def straight_run(ids: torch.Tensor, vocab: int, scheduler: bool) -> tuple[list[dict], bytes]:
     """The uninterrupted run: its steps after SAVE_AT, and the snapshot it took at SAVE_AT (a
     periodic save, which changes nothing in the run); once per corpus and kind of schedule."""
     key = (id(ids), scheduler)
