@@ -87,8 +87,16 @@ def repeated(traces: list[list[list[int]]]) -> tuple[int, int]:
 
 def missing_set_epoch(ids: torch.Tensor, vocab: int) -> Row:
     n = 64  # windows: a data-order trace a reader can print whole
-    bug = repeated([sampler_epochs(r, n) for r in range(WORLD)])
-    project = repeated([cursor_epochs(r, n, batch=4) for r in range(WORLD)])
+    traces = {
+        "sampler": [sampler_epochs(r, n) for r in range(WORLD)],
+        "DataCursor": [cursor_epochs(r, n, batch=4) for r in range(WORLD)],
+    }
+    bug, project = repeated(traces["sampler"]), repeated(traces["DataCursor"])
+    shown = [
+        f"{name:>10}, rank 0, epoch {epoch}: {trace[0][epoch][:8]} ..."
+        for name, trace in traces.items()
+        for epoch in (0, 1)
+    ]
     return Row(
         "missing_set_epoch",
         f"epoch 1 repeats epoch 0: {bug[0]} of {bug[1]} (rank, position) pairs read the same "
@@ -99,7 +107,8 @@ def missing_set_epoch(ids: torch.Tensor, vocab: int) -> Row:
         project[0] < project[1],
         [
             "DistributedSampler shuffles with seed + epoch; the epoch is whatever set_epoch",
-            "last said, 0 if never called.",
+            "last said, 0 if never called. The trace's first windows:",
+            *shown,
         ],
     )
 

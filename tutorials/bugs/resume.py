@@ -123,6 +123,14 @@ def loss_jump(pair) -> str:
     )
 
 
+def curves(pair) -> list[str]:
+    """The losses after the resume, both ways: the teaching output's lines."""
+    return [
+        f"steps {SAVE_AT + 1}-{STEPS}, {name:>13}: {[round(s['loss'], 4) for s in steps]}"
+        for name, steps in zip(("uninterrupted", "resumed"), pair)
+    ]
+
+
 def skipped(steps: list[dict]) -> int:
     """Steps GradScaler skipped (fp16 gradients overflowed): the scale fell after them."""
     scales = [s["scale"] for s in steps]
@@ -153,6 +161,7 @@ def resume_without_scaler(ids: torch.Tensor, vocab: int) -> Row:
         [
             "fp16's loss scale is found by trial (halved on every overflow, a skipped step);",
             "forgetting it pays the search again and shifts the whole curve after the resume.",
+            *curves(bug),
         ],
     )
 
@@ -168,6 +177,7 @@ def resume_without_rng(ids: torch.Tensor, vocab: int) -> Row:
         [
             "The resumed process seeds its generator as a new run does, so its dropout masks",
             "repeat those of the first steps instead of continuing the stream.",
+            *curves(bug),
         ],
     )
 
@@ -186,5 +196,6 @@ def resume_without_lr_schedule(ids: torch.Tensor, vocab: int) -> Row:
         [
             "An LR scheduler is state: unsaved, it starts warmup over from step 0 after every",
             "resume. The project keeps no scheduler; the step decides the rate.",
+            *curves(bug),
         ],
     )
