@@ -6,7 +6,8 @@ and the code in the project that avoids it.
     python tutorials/bug_zoo.py --bug no_sync_around_backward
     python tutorials/bug_zoo.py --check --out bug_zoo.json   # one line a bug; exit 0 if all hold
 
-The bugs come from the issue trackers of nanoGPT, pytorch/examples and torchtitan. Each exhibit
+Each bug was reported in some project's issue tracker (docs/tutorials.md, section 9, links the
+threads: nanoGPT, pytorch/examples, torchtitan, pytorch, Lightning, Accelerate, apex). Each exhibit
 runs the buggy variant and the project's code side by side and applies one check to both: the
 check must catch the bug and pass the project. The exhibits that need ranks run in a 2-process
 gloo group this script starts itself (torch.multiprocessing, as tutorials/spawn_launch.py does);
