@@ -51,19 +51,22 @@ HANGS = {
     "skip": Hang(
         "rank 0 waits in all_reduce until the timeout; rank 1's barrier pairs with nothing",
         "TORCH_DISTRIBUTED_DEBUG=DETAIL",
-        r"Rank 0 is running collective: CollectiveFingerPrint\(SequenceNumber=\d+, OpType=ALLRED",
+        r"Rank 0 is running collective: .*?OpType=ALLREDUCE.*?but Rank 1 is running collective: "
+        r"CollectiveFingerPrint\(SequenceNumber=\d+,? ?OpType=\w+",
         DETAIL,
     ),
     "shape": Hang(
         "gloo fails or hangs inside the all_reduce, naming no rank",
         "TORCH_DISTRIBUTED_DEBUG=DETAIL",
-        r"TensorShape=\[4\].*but Rank 1 is running .*TensorShape=\[8\]",
+        r"Rank 0 is running collective: .*?TensorShape=\[4\].*?but Rank 1 is running .*?"
+        r"TensorShape=\[8\]",
         DETAIL,
     ),
     "order": Hang(
         "each rank waits in a different collective until the timeout",
         "TORCH_DISTRIBUTED_DEBUG=DETAIL",
-        r"OpType=ALLREDUCE.*but Rank 1 is running .*OpType=BROADCAST",
+        r"Rank 0 is running collective: .*?OpType=ALLREDUCE.*?but Rank 1 is running .*?"
+        r"OpType=BROADCAST",
         DETAIL,
     ),
     "raise": Hang(
@@ -85,7 +88,7 @@ HANGS = {
         "torchrun prints nothing until join_timeout (600 s by default), then an empty "
         "RendezvousTimeoutError",
         "the rendezvous state in its store",
-        r"rendezvous lab: 1 of 2 nodes joined",
+        r"rendezvous lab: 1 of 2 nodes joined \(.*?\), waiting",
     ),
 }
 
