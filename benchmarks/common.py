@@ -222,28 +222,14 @@ def wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 180) -> 
     raise AssertionError(f"{needle!r} not seen; output:\n{''.join(lines)}")
 
 
-def _parents() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    return children
-
-
 def descendants(pid: int) -> list[int]:
     """All live descendants of pid, read from /proc (torchrun puts workers in their own sessions,
-    so a process group would miss them)."""
-    children, out, todo = _parents(), [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
+    so a process group would miss them): the stacks command's own walk."""
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    from mingpt_ddp.runtime.stacks import children
+
+    return children(pid)
 
 
 def worker_pid(launcher_pid: int, rank: int) -> int | None:
