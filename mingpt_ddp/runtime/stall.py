@@ -30,14 +30,14 @@ import torch.distributed as dist
 PERIOD_S = 1.0  # how often each watcher heartbeats; a rank silent for 3 periods is stopped
 
 
-def collectives() -> tuple[int, list[str]]:
-    """How many collectives of the default group this rank has entered, and the names of its
-    last few (the flight recorder: on when TORCH_FR_BUFFER_SIZE is set before the group starts;
-    setup_distributed sets it)."""
+def collectives(names: bool = False) -> tuple[int, list[str]]:
+    """How many collectives of the default group this rank has entered, and with names, the
+    names of its last few (the flight recorder: on when TORCH_FR_BUFFER_SIZE is set before the
+    group starts; setup_distributed sets it). Without names only the counters are read."""
     try:
         from torch._C._distributed_c10d import _dump_fr_trace_json
 
-        trace = json.loads(_dump_fr_trace_json())
+        trace = json.loads(_dump_fr_trace_json(includeCollectives=names))
     except Exception:  # noqa: BLE001 - no recorder (one process, an older torch): no count
         return -1, []
     status = trace.get("pg_status", {}).get("0", {})
@@ -125,7 +125,7 @@ class StallWatch:
         """stall/rank_R.txt: this rank's step, last collectives and every thread's stack."""
         os.makedirs(os.path.join(self.out_dir, "stall"), exist_ok=True)
         path = os.path.join(self.out_dir, "stall", f"rank_{self.rank}.txt")
-        entered, last = collectives()
+        entered, last = collectives(names=True)
         with open(path, "w") as f:
             f.write(f"rank {self.rank} | step {self.step} | collectives entered {entered}\n")
             f.write("last collectives: " + ", ".join(last) + "\n\n")
