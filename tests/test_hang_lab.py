@@ -73,3 +73,18 @@ def test_every_hang_of_the_lab_is_named_by_its_tool_and_the_job_ends(name, tmp_p
     row = hang_lab.run(name, str(tmp_path), budget_s=45)
     assert row["named"], row
     assert row["seconds"] < 45
+    assert not left_running(f"LAB_DIR={tmp_path}".encode()), "the lab left a worker running"
+
+
+def left_running(marker: bytes) -> list[int]:
+    """Processes whose environment holds marker (orphans too: torchrun's workers are in sessions
+    of their own, and outlive a torchrun that was killed alone)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if marker in f.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found

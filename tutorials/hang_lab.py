@@ -146,8 +146,7 @@ def launch(name: str, lab_dir: str) -> subprocess.Popen:
     cmd += [os.path.abspath(__file__), "--worker", name]
     env = {**os.environ, **HANGS[name].env, "LAB_DIR": lab_dir, "PYTHONUNBUFFERED": "1"}
     job = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        start_new_session=True,  # one process group: the lab ends the whole job at once
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )  # fmt: skip
     job.port = port
     return job
@@ -185,16 +184,38 @@ def run(name: str, lab_dir: str, budget_s: float = 60.0) -> dict:
         found = re.search(hang.finding, text, re.S)
         if job.poll() is not None and found is None and not lines_pending(reader):
             break
-    try:
-        os.killpg(job.pid, signal.SIGKILL)  # the whole job, stopped ranks included
-    except ProcessLookupError:
-        pass  # it ended by itself
-    job.wait()
+    end(job)
     seconds = round(time.monotonic() - t0, 1)
     said = " ".join(found.group(0).split()) if found else ""  # one line, however it matched
     said = said if len(said) < 150 else f"{said[:70]} ... {said[-70:]}"
     return {"hang": name, "seen": hang.seen, "tool": hang.tool, "named": bool(found),
             "finding": said, "seconds": seconds}  # fmt: skip
+
+
+def end(job: subprocess.Popen) -> None:
+    """SIGKILL torchrun and every worker under it (torchrun starts each worker in a session of its
+    own, so its process group misses them; SIGKILL also ends a stopped rank)."""
+    from mingpt_ddp.runtime.stacks import children
+
+    pids = [job.pid, *children(job.pid)]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # it ended by itself
+    job.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(alive(pid) for pid in pids[1:]):
+        time.sleep(0.05)  # until the kernel has taken every worker away
+
+
+def alive(pid: int) -> bool:
+    """Still a process (a zombie, dead but not yet reaped by its new parent, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def lines_pending(reader: threading.Thread) -> bool:
