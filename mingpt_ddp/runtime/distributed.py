@@ -11,7 +11,8 @@ Vocabulary, as used across this project:
   rank receives the element-wise sum (or mean, max...) of all of them.
 
 torchrun (or SLURM, or any launcher) sets RANK, LOCAL_RANK, WORLD_SIZE,
-MASTER_ADDR and MASTER_PORT; this module is the only place that reads them. A
+MASTER_ADDR and MASTER_PORT; this module is the only place that reads them (horovodrun's
+HOROVOD_* are turned into them first: horovodrun.py). A
 plain `python main.py` sets none of them and runs as a world of one, with no
 process group at all.
 """
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.runtime.horovodrun import adopt_horovodrun, started_by_horovodrun
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,7 @@ def setup_distributed(
     trace_dir: where a GPU rank's flight recorder dumps its last collectives on a timeout.
     """
     global _IS_MAIN
+    adopt_horovodrun()  # horovodrun's ranks, in torchrun's variables (nothing under torchrun)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if not launched_with_ranks():
         chosen = choose_device(device, gpus, local_rank=0, local_world_size=1)
@@ -262,8 +265,8 @@ def exit_process(code: int) -> None:
 
 def launched_with_ranks() -> bool:
     """Whether a launcher started this process as one rank of several (torchrun, SLURM,
-    mp.spawn...)."""
-    return "WORLD_SIZE" in os.environ
+    mp.spawn, horovodrun...)."""
+    return "WORLD_SIZE" in os.environ or started_by_horovodrun()
 
 
 # Whether this process is global rank 0: set by setup_distributed from the DistContext it
@@ -275,9 +278,8 @@ def is_main_process() -> bool:
     """Global rank 0, as the DistContext says; before setup_distributed, as the launcher says."""
     if _IS_MAIN is not None:
         return _IS_MAIN
-    return (
-        os.environ.get("RANK", "0") == "0"
-    )  # not set up yet: the launcher's word, so one rank prints
+    # Not set up yet: the launcher's word (torchrun's, or horovodrun's), so one rank prints.
+    return os.environ.get("RANK", os.environ.get("HOROVOD_RANK", "0")) == "0"
 
 
 def print0(*args, **kwargs) -> None:
