@@ -63,5 +63,6 @@ if ! "$PYTHON" -m pip install --no-build-isolation --no-cache-dir -v . >"$log" 2
     exit 1
 fi
 echo "Horovod 0.28.1 built and installed in $((SECONDS - start)) s"
-"$PYTHON" -c "import horovod.torch as hvd; print('horovod.torch', hvd.__version__, 'imports')"
+cd /   # the checks import the installed package, not the source tree
+"$PYTHON" -c "import horovod, horovod.torch; print('horovod', horovod.__version__, 'with torch')"
 "$PYTHON" -m horovod.runner.launch --check-build   # = horovodrun --check-build
