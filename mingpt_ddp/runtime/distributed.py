@@ -10,11 +10,10 @@ Vocabulary, as used across this project:
 - all-reduce: a collective in which every rank contributes a tensor and every
   rank receives the element-wise sum (or mean, max...) of all of them.
 
-torchrun (or SLURM, or any launcher) sets RANK, LOCAL_RANK, WORLD_SIZE,
-MASTER_ADDR and MASTER_PORT; this module is the only place that reads them (horovodrun's
-HOROVOD_* are turned into them first: horovodrun.py). A
-plain `python main.py` sets none of them and runs as a world of one, with no
-process group at all.
+torchrun (or SLURM, or any launcher) sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT; this module is the only place that reads them (horovodrun's HOROVOD_* become them
+first: horovodrun.py). A plain `python main.py` sets none of them and runs as a world of one, with
+no process group at all.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from mingpt_ddp.errors import ConfigError
-from mingpt_ddp.runtime.horovodrun import adopt_horovodrun, started_by_horovodrun
+from mingpt_ddp.runtime import horovodrun
 
 
 @dataclass(frozen=True)
@@ -107,7 +106,7 @@ def setup_distributed(
     trace_dir: where a GPU rank's flight recorder dumps its last collectives on a timeout.
     """
     global _IS_MAIN
-    adopt_horovodrun()  # horovodrun's ranks, in torchrun's variables (nothing under torchrun)
+    horovodrun.adopt()  # horovodrun's ranks, in torchrun's variables (nothing under torchrun)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if not launched_with_ranks():
         chosen = choose_device(device, gpus, local_rank=0, local_world_size=1)
@@ -247,6 +246,7 @@ def teardown_distributed() -> None:
     global _JOB_STORE
     if dist.is_initialized():
         dist.destroy_process_group()
+    horovodrun.shutdown()  # Horovod's thread too, on every rank: none leaves it talking to a peer
     _JOB_STORE = None  # close the store connection now, not during interpreter shutdown
 
 
@@ -266,7 +266,7 @@ def exit_process(code: int) -> None:
 def launched_with_ranks() -> bool:
     """Whether a launcher started this process as one rank of several (torchrun, SLURM,
     mp.spawn, horovodrun...)."""
-    return "WORLD_SIZE" in os.environ or started_by_horovodrun()
+    return "WORLD_SIZE" in os.environ or horovodrun.started()
 
 
 # Whether this process is global rank 0: set by setup_distributed from the DistContext it

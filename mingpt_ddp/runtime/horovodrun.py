@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Mapping
 
 from mingpt_ddp.errors import ConfigError
@@ -40,7 +41,7 @@ def horovod_ranks(env: Mapping[str, str]) -> dict[str, str]:
     return {ours: env.get(theirs, default) for ours, (theirs, default) in FROM_HOROVOD.items()}
 
 
-def started_by_horovodrun(env: Mapping[str, str] | None = None) -> bool:
+def started(env: Mapping[str, str] | None = None) -> bool:
     return bool(horovod_ranks(os.environ if env is None else env))
 
 
@@ -53,7 +54,7 @@ def import_horovod():
     return hvd
 
 
-def adopt_horovodrun() -> None:
+def adopt() -> None:
     """Under horovodrun: start Horovod and write torchrun's variables (ranks, and MASTER_ADDR /
     MASTER_PORT of a rendezvous rank 0 hosts). Elsewhere nothing."""
     ranks = horovod_ranks(os.environ)
@@ -69,6 +70,15 @@ def adopt_horovodrun() -> None:
     )
     host, port = hvd.broadcast_object(mine, root_rank=0, name="mingpt_ddp.rendezvous")
     os.environ.update(ranks, MASTER_ADDR=host, MASTER_PORT=str(port))
+
+
+def shutdown() -> None:
+    """Stop Horovod's background thread, if this process started it. At the end of a job every
+    rank calls it; a rank that exits without it leaves its peers' threads reading a closed socket
+    ("Horovod background loop uncaught exception: Connection closed by peer")."""
+    hvd = sys.modules.get("horovod.torch")
+    if hvd is not None and hvd.is_initialized():
+        hvd.shutdown()
 
 
 def free_port() -> int:
