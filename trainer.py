@@ -1,7 +1,7 @@
 """The training loop: optimisation, evaluation, logging, and what state goes into a snapshot.
 
 One Trainer runs in every process of the job. How the model is spread over the processes is
-the strategy's (mingpt_ddp/parallel/: none, ddp, fsdp, deepspeed, one module each): under DDP
+the strategy's (mingpt_ddp/parallel/: ddp, fsdp, horovod..., one module each): under DDP
 each process holds a full copy (replica) of the model, and DistributedDataParallel averages
 the gradients of all replicas with an all-reduce during backward, so every replica takes the
 same optimizer step and the copies stay identical; under FSDP each holds a shard. The Trainer

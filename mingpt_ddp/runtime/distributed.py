@@ -321,7 +321,7 @@ class ControlPlane:
     """The collectives that coordinate the ranks, as opposed to those that move gradients: the
     per-step vote, start-up checks, means for log lines. They are handed to the strategies and
     the snapshot protocol rather than reached for, so that a mode with its own ranks and transport
-    (Horovod, torchft's replica groups) can hand in its own; this one is torch.distributed's
+    can hand in its own (Horovod does not need to: horovodrun.py); this one is torch.distributed's
     default process group (or nothing at all, alone)."""
 
     def mean(self, t: torch.Tensor) -> torch.Tensor:
