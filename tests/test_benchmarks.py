@@ -134,7 +134,8 @@ def test_compare_smoke_mode_times_rows_end_to_end_and_says_why_a_row_cannot_run(
             and rows[timed]["peak_host_mib"] > 0
             and rows[timed]["tokens"] > 0
         )
-    assert "does not build" in rows["Horovod"]["skipped"]
+    horovod = rows["Horovod"]  # timed where tools/build_horovod.sh built Horovod, else why not
+    assert "tools/build_horovod.sh" in horovod.get("skipped", "") or horovod["wall_s"] > 0
     # The notes' DDP+MP: 2 stages, its batch per replica, so the same tokens as the other rows.
     assert rows["DDP + pipeline (2 stages, 1F1B)"]["tokens"] == rows["one process"]["tokens"]
 

@@ -32,9 +32,9 @@ def test_fsdp_without_a_process_group_is_a_config_error(shakespeare, tmp_path):
 
 @pytest.mark.slow
 def test_an_unknown_parallel_mode_is_a_config_error(shakespeare, tmp_path):
-    result = run_main(tiny_overrides(shakespeare, tmp_path) + ["trainer_config.parallel=horovod"])
-    assert (
-        result.returncode == 1 and "parallel must be ddp, fsdp, deepspeed or none" in result.stderr
+    result = run_main(tiny_overrides(shakespeare, tmp_path) + ["trainer_config.parallel=megatron"])
+    assert result.returncode == 1 and (
+        "parallel must be ddp, fsdp, deepspeed, horovod or none" in result.stderr
     )
 
 

@@ -31,6 +31,11 @@ PARALLEL = {
             (3, "optimizer state, gradients and parameters"),
         )
     },
+    "horovod": (
+        {"parallel": "horovod"},
+        "Horovod: a full replica per rank, gradients averaged by hvd.DistributedOptimizer "
+        "(horovodrun; Horovod built by tools/build_horovod.sh)",
+    ),
 }
 
 RECIPES: dict[str, tuple[dict[str, Any], str]] = {

@@ -68,7 +68,8 @@ class TrainerConfig:
     """Characters generated at each evaluation (0: none)."""
     parallel: str = "ddp"
     """How the model is spread over ranks: ddp (full replicas), fsdp (FSDP2 shards), deepspeed
-    (DeepSpeed ZeRO, stage in deepspeed_config), none (one process)."""
+    (DeepSpeed ZeRO, stage in deepspeed_config), horovod (full replicas, gradients averaged by
+    Horovod; run under horovodrun), none (one process)."""
     grad_reduce: str = "all_reduce"
     """DDP: all_reduce (ring, overlapped with backward) or via_rank0 (a star all-reduce: every rank
     sends to rank 0, which sends the mean back; the parameter-server pattern, kept as a baseline to
@@ -173,9 +174,9 @@ class TrainerConfig:
     def _check_choices(self) -> None:
         """The keys that pick one of a few named options: a value outside them is refused here,
         naming the key and its options, instead of failing later in code far from the key."""
-        if self.parallel not in ("ddp", "fsdp", "deepspeed", "none"):
+        if self.parallel not in ("ddp", "fsdp", "deepspeed", "horovod", "none"):
             raise ConfigError(
-                "trainer_config.parallel must be ddp, fsdp, deepspeed or none, "
+                "trainer_config.parallel must be ddp, fsdp, deepspeed, horovod or none, "
                 f"got {self.parallel!r}"
             )
         if self.grad_reduce not in ("all_reduce", "via_rank0"):

@@ -27,7 +27,7 @@ class Plan:
     """How the model is spread over the ranks and in which precision it computes (trainer_config's
     keys)."""
 
-    parallel: str = "ddp"  # ddp | fsdp | deepspeed | none
+    parallel: str = "ddp"  # ddp | fsdp | deepspeed | horovod | none
     grad_reduce: str = "all_reduce"  # DDP: all_reduce | via_rank0
     use_amp: bool = False  # resolved: "auto" is decided by choose_precision before a Plan is made
     amp_dtype: str = "bf16"

@@ -18,6 +18,7 @@ STRATEGIES = {
     "ddp": "mingpt_ddp.parallel.ddp:DDPStrategy",
     "fsdp": "mingpt_ddp.parallel.fsdp:FSDPStrategy",
     "deepspeed": "mingpt_ddp.parallel.deepspeed:DeepSpeedStrategy",
+    "horovod": "mingpt_ddp.parallel.horovod:HorovodStrategy",  # Horovod itself only when built
     # Not a value of trainer_config.parallel: chosen by pipeline_config.degree > 1, with its
     # replicas over ddp or fsdp (parallel=).
     "pipeline": "mingpt_ddp.parallel.pipeline:PipelineStrategy",

@@ -5,7 +5,7 @@ snapshot, and stop signals. A Strategy owns everything that depends on how the m
 over the ranks: wrapping it, the optimizer and its whole step, evaluation's forward passes, the
 words that describe it, and how its state is written and read. The Trainer and the snapshot
 protocol call only the methods below and never ask which mode runs, so a new mode is one new
-module beside single.py, ddp.py, fsdp.py and deepspeed.py, named in registry.py.
+module beside single.py, ddp.py, fsdp.py, deepspeed.py and horovod.py, named in registry.py.
 
 The contract, as the Trainer relies on it:
 
@@ -37,7 +37,7 @@ The contract, as the Trainer relies on it:
     strategy.load_tensor_state(state) put them into the model and optimizers
 
 The control-plane collectives (the vote, gathers, means) come in StrategyArgs.control: a mode
-with its own ranks and transport (Horovod) brings its own ControlPlane.
+with its own ranks and transport could bring its own ControlPlane.
 
 How the modes beyond data parallelism fit this contract:
 
@@ -56,8 +56,9 @@ How the modes beyond data parallelism fit this contract:
   behind from a live peer; train_step asks the manager whether the step may commit after the
   gradients are averaged across replica groups; a rejected step returns (loss, False) and is not
   counted.
-- Horovod: its own ranks and control plane; the optimizer is wrapped by hvd.DistributedOptimizer
-  inside the strategy, and StrategyArgs.control is a ControlPlane over Horovod's collectives.
+- Horovod (horovod.py): horovodrun's ranks become torchrun's variables before the process group
+  is joined (runtime/horovodrun.py), so the control plane is the usual gloo group; the gradients
+  go through hvd.DistributedOptimizer, which wraps the optimizers inside the strategy.
 """
 
 from __future__ import annotations

@@ -10,10 +10,9 @@ Vocabulary, as used across this project:
 - all-reduce: a collective in which every rank contributes a tensor and every
   rank receives the element-wise sum (or mean, max...) of all of them.
 
-torchrun (or SLURM, or any launcher) sets RANK, LOCAL_RANK, WORLD_SIZE,
-MASTER_ADDR and MASTER_PORT; this module is the only place that reads them. A
-plain `python main.py` sets none of them and runs as a world of one, with no
-process group at all.
+torchrun (or SLURM, any launcher) sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT;
+only this module reads them (horovodrun's HOROVOD_* become them first: horovodrun.py). A plain
+`python main.py` sets none of them and runs as a world of one, with no process group at all.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.runtime import horovodrun
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,7 @@ def setup_distributed(
     trace_dir: where a GPU rank's flight recorder dumps its last collectives on a timeout.
     """
     global _IS_MAIN
+    horovodrun.adopt()  # horovodrun's ranks, in torchrun's variables (nothing under torchrun)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if not launched_with_ranks():
         chosen = choose_device(device, gpus, local_rank=0, local_world_size=1)
@@ -120,8 +121,7 @@ def setup_distributed(
         torch.cuda.set_device(chosen)  # one GPU per process, picked by its rank on this node
         for key, value in flight_recorder_env(trace_dir).items():
             os.environ.setdefault(key, value)  # a value the user set wins
-    # The flight recorder counts gloo's collectives too: the stall report compares the counts.
-    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # the stall report's collective counts
     _join(chosen, rank, world_size, restart_count, timedelta(seconds=timeout_s))
     return DistContext(
         rank, local_rank, world_size, chosen, restart_count, local_world_size, run_id
@@ -246,6 +246,7 @@ def teardown_distributed() -> None:
     global _JOB_STORE
     if dist.is_initialized():
         dist.destroy_process_group()
+    horovodrun.shutdown()  # Horovod's thread too, on every rank: none leaves it talking to a peer
     _JOB_STORE = None  # close the store connection now, not during interpreter shutdown
 
 
@@ -264,8 +265,8 @@ def exit_process(code: int) -> None:
 
 def launched_with_ranks() -> bool:
     """Whether a launcher started this process as one rank of several (torchrun, SLURM,
-    mp.spawn...)."""
-    return "WORLD_SIZE" in os.environ
+    mp.spawn, horovodrun...)."""
+    return "WORLD_SIZE" in os.environ or horovodrun.started()
 
 
 # Whether this process is global rank 0: set by setup_distributed from the DistContext it
@@ -277,9 +278,8 @@ def is_main_process() -> bool:
     """Global rank 0, as the DistContext says; before setup_distributed, as the launcher says."""
     if _IS_MAIN is not None:
         return _IS_MAIN
-    return (
-        os.environ.get("RANK", "0") == "0"
-    )  # not set up yet: the launcher's word, so one rank prints
+    # Not set up yet: the launcher's word (torchrun's, or horovodrun's), so one rank prints.
+    return os.environ.get("RANK", os.environ.get("HOROVOD_RANK", "0")) == "0"
 
 
 def print0(*args, **kwargs) -> None:
@@ -321,7 +321,7 @@ class ControlPlane:
     """The collectives that coordinate the ranks, as opposed to those that move gradients: the
     per-step vote, start-up checks, means for log lines. They are handed to the strategies and
     the snapshot protocol rather than reached for, so that a mode with its own ranks and transport
-    (Horovod, torchft's replica groups) can hand in its own; this one is torch.distributed's
+    can hand in its own (Horovod does not need to: horovodrun.py); this one is torch.distributed's
     default process group (or nothing at all, alone)."""
 
     def mean(self, t: torch.Tensor) -> torch.Tensor:
