@@ -221,7 +221,7 @@ def run_row(row: tuple, nproc: int, workload: tuple, data: str, device: str, wor
 
 def markdown_table(rows: list[dict]) -> str:
     lines = [
-        "| the notes' row (their minutes) | here | ranks | launch to exit, s "
+        "| the notes' row (their GPU minutes) | here | ranks | launch to exit, s "
         "| tokens/s, end to end | peak memory per rank, MiB | val loss |",
         "|---|---|---|---|---|---|---|",
     ]

@@ -192,3 +192,26 @@ def test_step_time_times_both_models_in_turns_and_reports_ratios(tmp_path):
     assert all(len(ms) == 2 and min(ms) > 0 for ms in report["ms"].values())
     assert report["ratio"]["nanoGPT"] == 1.0 and report["ratio"]["ours, eager"] > 0
     assert "x nanoGPT" in result.stdout and "this project:" in result.stdout
+
+
+def test_the_readmes_comparison_tables_are_compare_json():
+    """The notes' table in both READMEs and measured.md is benchmarks/results/compare.json, as
+    compare.py prints it (the Chinese pages: the same numbers, row by row)."""
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import compare
+
+    rows = json.loads((REPO / "benchmarks/results/compare.json").read_text())["rows"]
+    table = compare.markdown_table(rows)
+    for page in ("README.md", "docs/measured.md"):
+        assert table in (REPO / page).read_text(), page
+    numbers = [table_numbers(line) for line in table.splitlines()[2:]]
+    for page in ("README.zh-CN.md", "docs/zh-CN/measured.md"):
+        text = (REPO / page).read_text()
+        start = text.index("| 笔记里的行")
+        zh = text[start : text.index("\n\n", start)].splitlines()[2:]
+        assert [table_numbers(line) for line in zh] == numbers, page
+
+
+def table_numbers(line: str) -> list[str]:
+    return [cell.strip() for cell in line.split("|")[3:8]]
