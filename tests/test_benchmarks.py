@@ -123,7 +123,9 @@ def test_compare_smoke_mode_times_rows_end_to_end_and_says_why_a_row_cannot_run(
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "| the notes' row (their minutes) | here | ranks | launch to exit, s |" in result.stdout
+    assert (
+        "| the notes' row (their GPU minutes) | here | ranks | launch to exit, s |" in result.stdout
+    )
     rows = {r["here"]: r for r in json.loads(out.read_text())["rows"]}
     assert (
         rows["one process"]["ranks"] == 1 and rows["DDP, tutorials/spawn_launch.py"]["ranks"] == 2

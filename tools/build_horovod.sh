@@ -55,8 +55,8 @@ export HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
 export MAKEFLAGS=${MAKEFLAGS:--j$(nproc)}   # setup.py's default is -j8, whatever the machine
 log="${TMPDIR:-/tmp}/horovod-build.log"
 start=$SECONDS
-echo "building Horovod 0.28.1 against torch $("$PYTHON" -c 'import torch; print(torch.__version__)')"\
-     "(several minutes; log: $log)"
+torch_version=$("$PYTHON" -c 'import torch; print(torch.__version__)')
+echo "building Horovod 0.28.1 against torch $torch_version (several minutes; log: $log)"
 if ! "$PYTHON" -m pip install --no-build-isolation --no-cache-dir -v . >"$log" 2>&1; then
     grep -m 20 -E "error:|undefined reference|Error [0-9]" "$log" >&2 || tail -20 "$log" >&2
     echo "error: the Horovod build failed: the first errors above, the whole log in $log" >&2

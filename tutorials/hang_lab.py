@@ -1,7 +1,7 @@
 """The hang lab: distributed jobs that hang or desync on purpose (CPU, gloo), and for each the tool
 that names the rank or the collective at fault.
 
-    python tutorials/hang_lab.py                  # every hang, one line each (about 40 s)
+    python tutorials/hang_lab.py                  # every hang, one line each (30-75 s)
     python tutorials/hang_lab.py --hang stopped   # one, with what the tool printed
 
 Each hang is a real 2-rank torchrun job of this file (--worker NAME). The collective timeout is 8 s
@@ -165,7 +165,7 @@ def rendezvous_state(port: int, run_id: str = "lab") -> str:
     at the endpoint (a pickled _RendezvousState, base64)."""
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(5))
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=2))
     state = pickle.loads(base64.b64decode(store.get(f"torch.rendezvous.{run_id}")))
     nodes = sorted(str(node) for node in state.participants)
     return f"rendezvous {run_id}: {len(nodes)} of 2 nodes joined ({', '.join(nodes)}), waiting"

@@ -36,6 +36,19 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def direct_children(pid: int) -> list[int]:
+    everyone = children(pid)
+    return [c for c in everyone if parent(c) == pid]
+
+
+def parent(pid: int) -> int:
+    stat = read(f"/proc/{pid}/stat").decode(errors="replace")
+    try:
+        return int(stat.rsplit(")", 1)[1].split()[1])
+    except (IndexError, ValueError):
+        return -1
+
+
 def read(path: str) -> bytes:
     try:
         with open(path, "rb") as f:
@@ -45,9 +58,10 @@ def read(path: str) -> bytes:
 
 
 def workers(agent: int) -> list[tuple[int, int]]:
-    """(rank, pid) of the workers under a torchrun agent, in rank order."""
+    """(rank, pid) of a torchrun agent's workers, in rank order: its direct children with RANK in
+    their environment (their own children, data loaders or compile workers, inherit it too)."""
     found = []
-    for pid in children(agent):
+    for pid in direct_children(agent):
         env = dict(
             item.split(b"=", 1)
             for item in read(f"/proc/{pid}/environ").split(b"\0")

@@ -27,13 +27,16 @@ import time
 
 import torch.distributed as dist
 
-PERIOD_S = 1.0  # how often each watcher heartbeats; a rank silent for 3 periods is stopped
+PERIOD_S = 1.0  # how often each watcher heartbeats
+SILENT_S = 3 * PERIOD_S  # a rank whose heartbeat has not moved for this long is stopped
 
 
 def collectives(names: bool = False) -> tuple[int, list[str]]:
     """How many collectives of the default group this rank has entered, and with names, the
-    names of its last few (the flight recorder: on when TORCH_FR_BUFFER_SIZE is set before the
-    group starts; setup_distributed sets it). Without names only the counters are read."""
+    names of its last few. torch's flight recorder keeps them (2000 entries by default in torch
+    2.13, gloo's too; setup_distributed sets TORCH_FR_BUFFER_SIZE for older torch). This reads
+    the CPU recorder: on GPUs NCCL's collectives are in a recorder of their own, not read here,
+    so there the count is the gloo control plane's (not checked on a GPU)."""
     try:
         from torch._C._distributed_c10d import _dump_fr_trace_json
 
@@ -65,14 +68,17 @@ class StallWatch:
     def __init__(self, after_s: float, ctx, out_dir: str, store: dist.Store | None = None):
         self.after_s, self.rank, self.world_size = after_s, ctx.rank, ctx.world_size
         self.out_dir, self.store = out_dir, store  # store: this attempt's; None: one process
-        self.step, self.last = 0, time.monotonic()
-        # seen (rank 0): rank -> (its last counter, since when); one never heard is silent too
-        self.reported, self.beats = False, 0
-        self.seen = {r: (None, self.last) for r in range(self.world_size)}
+        self.step, self.reported, self.beats = 0, False, 0
+        self.last, self.seen = time.monotonic(), {}  # both set again when the loop starts
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stall-watch", daemon=True)
 
     def __enter__(self) -> StallWatch:
+        """Start watching: the clock starts here, at the loop, not at start-up (a snapshot read,
+        a heal, compilation before the first step are no stall)."""
+        self.last = time.monotonic()
+        # seen (rank 0): rank -> (its last counter, since when); one never heard is silent too
+        self.seen = {r: (None, self.last) for r in range(self.world_size)}
         if self.after_s > 0:
             self._thread.start()
         return self
@@ -90,11 +96,17 @@ class StallWatch:
         while not self._stop.wait(PERIOD_S):
             try:
                 self._publish()
-                if time.monotonic() - self.last > self.after_s and not self.reported:
+                waited = time.monotonic() - self.last
+                if waited > self.after_s and not self.reported and self._sure(waited):
                     self.reported = True
                     self._report()
             except Exception as e:  # noqa: BLE001 - a watcher must never end the training
                 print(f"stall | rank {self.rank} | watcher error: {e}", flush=True)
+
+    def _sure(self, waited: float) -> bool:
+        """Whether rank 0 can say who is behind: a rank that stopped just before the stall began
+        needs 3 periods to look silent, so without a silent rank rank 0 waits that long more."""
+        return self.rank != 0 or waited > self.after_s + SILENT_S or bool(self.silent())
 
     def _publish(self) -> None:
         """This rank's heartbeat: a counter (a stopped process stops it), step, collectives."""
@@ -111,7 +123,8 @@ class StallWatch:
 
     def _heartbeats(self) -> dict[int, list[int]]:
         keys = [str(r) for r in range(self.world_size)]
-        present = [k for k in keys if self.store.check([k])]
+        # One round trip when every rank has published (the usual case), one per key otherwise.
+        present = keys if self.store.check(keys) else [k for k in keys if self.store.check([k])]
         return {int(k): json.loads(v) for k, v in zip(present, self.store.multi_get(present))}
 
     def _report(self) -> None:
@@ -133,12 +146,16 @@ class StallWatch:
             faulthandler.dump_traceback(file=f, all_threads=True)
         return path
 
+    def silent(self) -> list[int]:
+        """The ranks whose heartbeat counter has not moved for SILENT_S (rank 0's view)."""
+        now = time.monotonic()
+        return [r for r, (_, since) in sorted(self.seen.items()) if now - since > SILENT_S]
+
     def behind(self) -> str:
         """Who holds the others up: silent ranks, else fewest collectives, else the lowest step."""
         if self.store is None:
             return "one process: see its stack"
-        now, beats = time.monotonic(), self._heartbeats()
-        silent = [r for r, (_, since) in sorted(self.seen.items()) if now - since > 3 * PERIOD_S]
+        now, beats, silent = time.monotonic(), self._heartbeats(), self.silent()
         if silent:
             ago = max(now - self.seen[r][1] for r in silent)
             return f"rank {', '.join(map(str, silent))} silent for {ago:.0f} s: stopped or frozen"
