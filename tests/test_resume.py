@@ -25,6 +25,7 @@ from conftest import (
 )
 
 from mingpt_ddp.metrics import MetricsLog
+from mingpt_ddp.runtime.stacks import alive
 from mingpt_ddp.snapshots.store import MANIFEST, SnapshotStore
 
 pytestmark = pytest.mark.slow
@@ -33,15 +34,6 @@ FAULTY = REPO / "tests" / "faulty_main.py"  # main.py with faults injected (FAUL
 
 def start_job(args, nproc=2, script=MAIN, env=None) -> subprocess.Popen:
     return start_main(args, nproc=nproc, env=env, script=script)
-
-
-def alive(pid: int) -> bool:
-    """Running (a zombie, exited but not yet reaped by its new parent, counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def final_weights(run_dir):

@@ -195,7 +195,7 @@ def run(name: str, lab_dir: str, budget_s: float = 60.0) -> dict:
 def end(job: subprocess.Popen) -> None:
     """SIGKILL torchrun and every worker under it (torchrun starts each worker in a session of its
     own, so its process group misses them; SIGKILL also ends a stopped rank)."""
-    from mingpt_ddp.runtime.stacks import children
+    from mingpt_ddp.runtime.stacks import alive, children
 
     pids = [job.pid, *children(job.pid)]
     for pid in pids:
@@ -207,15 +207,6 @@ def end(job: subprocess.Popen) -> None:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(alive(pid) for pid in pids[1:]):
         time.sleep(0.05)  # until the kernel has taken every worker away
-
-
-def alive(pid: int) -> bool:
-    """Still a process (a zombie, dead but not yet reaped by its new parent, counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def lines_pending(reader: threading.Thread) -> bool:

@@ -37,16 +37,17 @@ def children(pid: int) -> list[int]:
 
 
 def direct_children(pid: int) -> list[int]:
-    everyone = children(pid)
-    return [c for c in everyone if parent(c) == pid]
+    return [child for child in children(pid) if stat(child)[1:2] == [str(pid)]]
 
 
-def parent(pid: int) -> int:
-    stat = read(f"/proc/{pid}/stat").decode(errors="replace")
-    try:
-        return int(stat.rsplit(")", 1)[1].split()[1])
-    except (IndexError, ValueError):
-        return -1
+def stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name: state, parent, ...; [] once it is gone."""
+    return read(f"/proc/{pid}/stat").decode(errors="replace").rpartition(")")[2].split()
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie, exited but not yet reaped by its parent, counts as gone)."""
+    return stat(pid)[:1] not in ([], ["Z"])
 
 
 def read(path: str) -> bytes:
