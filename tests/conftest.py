@@ -177,6 +177,16 @@ def parallelisms(out_dir: Path, only: str) -> tuple[dict, Path]:
     return rows, out
 
 
+def assert_same_run(a: list[dict], b: list[dict], steps: int) -> None:
+    """Two runs' metrics records step for step: the same steps 1..steps, and losses and gradient
+    norms equal to float rounding (another layout of the same run)."""
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, steps + 1))
+    for x, y in zip(a, b):
+        assert abs(x["train_loss"] - y["train_loss"]) <= 1e-5, (x, y)
+        assert abs(x["grad_norm"] - y["grad_norm"]) <= 1e-4 * max(1.0, x["grad_norm"]), (x, y)
+        assert abs(x.get("val_loss", 0) - y.get("val_loss", 0)) <= 1e-5, (x, y)
+
+
 def run_faulty(args: list[str], fault: str, nproc: int = 2) -> str:
     """main.py with a fault injected (tests/faulty_main.py, FAULT=kind:rank:step) under torchrun
     --max-restarts=1: its whole output, once the restarted job exited 0."""

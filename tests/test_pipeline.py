@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import parallelisms, run_faulty, run_main, tiny_overrides
+from conftest import assert_same_run, parallelisms, run_faulty, run_main, tiny_overrides
 
 from mingpt_ddp.config.optimizer import OptimizerConfig
 from mingpt_ddp.config.pipeline import PipelineConfig
@@ -38,14 +38,6 @@ def ok(result) -> str:
 
 def history(run_dir) -> list[dict]:
     return MetricsLog.read(str(run_dir / "metrics.jsonl"))
-
-
-def assert_same_run(a: list[dict], b: list[dict], steps: int) -> None:
-    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, steps + 1))
-    for x, y in zip(a, b):
-        assert abs(x["train_loss"] - y["train_loss"]) <= 1e-5, (x, y)
-        assert abs(x["grad_norm"] - y["grad_norm"]) <= 1e-4 * max(1.0, x["grad_norm"]), (x, y)
-        assert abs(x.get("val_loss", 0) - y.get("val_loss", 0)) <= 1e-5, (x, y)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import parallelisms, run_faulty, run_main, tiny_overrides
+from conftest import assert_same_run, parallelisms, run_faulty, run_main, tiny_overrides
 
 from mingpt_ddp.config.context import ContextConfig
 from mingpt_ddp.config.optimizer import OptimizerConfig
@@ -37,14 +37,6 @@ def history(run_dir) -> list[dict]:
 
 def samples(out: str) -> list[str]:
     return [line.split("sample:", 1)[1] for line in out.splitlines() if "sample:" in line]
-
-
-def assert_same_run(a: list[dict], b: list[dict], steps: int) -> None:
-    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, steps + 1))
-    for x, y in zip(a, b):
-        assert abs(x["train_loss"] - y["train_loss"]) <= 1e-5, (x, y)
-        assert abs(x["grad_norm"] - y["grad_norm"]) <= 1e-4 * max(1.0, x["grad_norm"]), (x, y)
-        assert abs(x.get("val_loss", 0) - y.get("val_loss", 0)) <= 1e-5, (x, y)
 
 
 # ------------------------------------------------------------- in process
