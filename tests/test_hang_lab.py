@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 
@@ -69,8 +70,8 @@ def test_the_stall_report_names_a_sigstopped_rank_within_the_configured_time(sha
 def test_every_hang_of_the_lab_is_named_by_its_tool_and_the_job_ends(name, tmp_path):
     import hang_lab
 
-    if name == "slow" and shutil.which("py-spy") is None:
-        pytest.skip('py-spy is not installed: pip install -e ".[debug]"')
+    if name == "slow":
+        can_read_stacks()
     row = hang_lab.run(name, str(tmp_path), budget_s=45)
     assert row["named"], row
     assert row["seconds"] < 45
@@ -89,3 +90,19 @@ def left_running(marker: bytes) -> list[int]:
         except OSError:
             continue
     return found
+
+
+def can_read_stacks() -> None:
+    """Skip unless py-spy is installed and may attach (ptrace: root, or ptrace_scope 0)."""
+    if shutil.which("py-spy") is None:
+        pytest.skip('py-spy is not installed: pip install -e ".[debug]"')
+    sleeper = "import time; print('ready', flush=True); time.sleep(60)"
+    child = subprocess.Popen([sys.executable, "-c", sleeper], stdout=subprocess.PIPE)
+    child.stdout.readline()  # the interpreter is up: py-spy can find it
+    try:
+        dump = subprocess.run(["py-spy", "dump", "--pid", str(child.pid)], capture_output=True)
+    finally:
+        child.kill()
+        child.wait()
+    if dump.returncode != 0:
+        pytest.skip(f"py-spy cannot attach here (ptrace?): {dump.stderr.decode()[-200:]}")
