@@ -18,26 +18,24 @@ import subprocess
 import sys
 
 
-def children(pid: int) -> list[int]:
-    """Every process under pid (from /proc: each process's parent)."""
-    parents: dict[int, list[int]] = {}
+def parents() -> dict[int, list[int]]:
+    """Every process's children, from /proc (each process's parent, in its stat)."""
+    found: dict[int, list[int]] = {}
     for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        parents.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
+        parent = stat(int(entry))[1:2]
+        if parent:
+            found.setdefault(int(parent[0]), []).append(int(entry))
     return found
 
 
-def direct_children(pid: int) -> list[int]:
-    return [child for child in children(pid) if stat(child)[1:2] == [str(pid)]]
+def children(pid: int) -> list[int]:
+    """Every process under pid."""
+    tree, found, todo = parents(), [], [pid]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def stat(pid: int) -> list[str]:
@@ -62,13 +60,13 @@ def workers(agent: int) -> list[tuple[int, int]]:
     """(rank, pid) of a torchrun agent's workers, in rank order: its direct children with RANK in
     their environment (their own children, data loaders or compile workers, inherit it too)."""
     found = []
-    for pid in direct_children(agent):
+    for pid in parents().get(agent, []):
         env = dict(
             item.split(b"=", 1)
             for item in read(f"/proc/{pid}/environ").split(b"\0")
             if b"=" in item
         )
-        if b"RANK" in env and b"torch.distributed.run" not in read(f"/proc/{pid}/cmdline"):
+        if b"RANK" in env:
             found.append((int(env[b"RANK"]), pid))
     return sorted(found)
 
