@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import textwrap
@@ -154,9 +153,9 @@ def rank_main(rank: int, names: list[str], corpus: str, port: int, out: str) -> 
 
 def run_ranks(names: list[str], corpus: str) -> dict[str, Row]:
     """The exhibits that need ranks, in a 2-process gloo group on this machine."""
-    with socket.socket() as s:  # a free port for the rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from common import free_port  # tutorials/common.py (the script's folder: this process)
+
+    port = free_port()  # for the rendezvous
     with tempfile.TemporaryDirectory(prefix="bug-zoo-") as folder:
         out = os.path.join(folder, "rows.json")
         args = (names, corpus, port, out)

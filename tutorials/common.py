@@ -1,6 +1,7 @@
 """Shared by the tutorials: join the process group, print each rank's line in rank order, leave."""
 
 import os
+import socket
 import sys
 
 import torch.distributed as dist
@@ -10,6 +11,14 @@ def init() -> tuple[int, int]:
     """Join the group torchrun describes (gloo: works on any CPU); returns (rank, world size)."""
     dist.init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now, for a rendezvous this script hosts
+    (torchrun --standalone picks its own the same way)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def say(line: str) -> None:

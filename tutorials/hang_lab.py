@@ -35,6 +35,9 @@ from dataclasses import dataclass, field
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+# By its package name: benchmarks/ (on sys.path in the tests) holds a `common` module too.
+from tutorials.common import free_port  # noqa: E402
+
 TIMEOUT_S = 8  # every collective's: a hang the tools miss still ends
 
 
@@ -150,14 +153,6 @@ def launch(name: str, lab_dir: str) -> subprocess.Popen:
     )  # fmt: skip
     job.port = port
     return job
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rendezvous_state(port: int, run_id: str = "lab") -> str:

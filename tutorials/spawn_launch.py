@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 
 import torch.multiprocessing as mp
+from common import free_port  # tutorials/common.py
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -74,11 +74,7 @@ def main() -> int:
         )  # Hydra's reason, e.g. the key
         print(f"error: {str(e).splitlines()[0]}{cause}", file=sys.stderr)
         return 1
-    with (
-        socket.socket() as s
-    ):  # a free port for the rendezvous (torchrun --standalone does the same)
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # for the rendezvous (torchrun --standalone does the same)
     try:
         # join=True: wait for all children; if one fails, the others are terminated and this raises.
         mp.spawn(worker, args=(args.nproc, port, args.overrides), nprocs=args.nproc, join=True)
