@@ -197,3 +197,12 @@ class CharDataset:
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)
+
+
+def to_device(device: torch.device, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T+1) ids from the token file -> inputs x and targets y, (B, T) int64 on the device.
+    A GPU gets the compact ids (1-2 bytes each) from pinned memory: an asynchronous DMA."""
+    if device.type == "cuda":
+        ids = ids.pin_memory().to(device, non_blocking=True)
+    ids = ids.long()  # (B, T+1)
+    return ids[:, :-1], ids[:, 1:]

@@ -201,13 +201,14 @@ def build_trainer(job, ctx: DistContext, store: SnapshotStore) -> Trainer:
             "tensor": job.tensor_config,
             "context": job.context_config,
             "torchft": job.torchft_config,
+            "mesh": job.mesh_config,
         },
     )
     if ctx.distributed:  # (a sweep's jobs are single processes: nothing to keep between them)
         _KEEP_UNTIL_EXIT.append(trainer)
     # Probe the destination now, not at the first save an hour in: rank 0 writes single-file
     # snapshots; where every rank writes its own files (a layout), every rank probes.
-    writes = ctx.is_main or trainer.strategy.layout is not None
+    writes = ctx.is_main or trainer.strategy.files is not None
     on_all_ranks(store.check_writable if writes else lambda: None)
     take_snapshot_path(store, tcfg.lease_ttl_s, ctx)
     on_all_ranks(trainer.start)  # heal from a live replica group (torchft), or resume

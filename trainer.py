@@ -1,35 +1,41 @@
 """The training loop: optimisation, evaluation, logging, and what state goes into a snapshot.
 
 One Trainer runs in every process of the job. How the model is spread over the processes is
-the strategy's (mingpt_ddp/parallel/, one module per mode): under DDP each process holds a full
-copy (replica) and DistributedDataParallel averages the replicas' gradients with an all-reduce
-during backward, so every replica takes the same step; under FSDP each holds a shard. The
-Trainer never asks which: it hands the strategy batches and gets back a loss.
+the strategy's (mingpt_ddp/parallel/: the grid of ranks and the ladder that wrapped the model):
+under DDP each holds a full copy and DDP all-reduces the gradients during backward; under FSDP
+each holds a shard. The step at the end of this file is the same on every layout.
 
-Each rank trains on a different shard of every global batch, chosen as a DistributedSampler
-would choose it (mingpt_ddp/corpus/order.py). Data position is kept as *global samples consumed
-in this epoch* (DataCursor): the job walks through one seeded permutation of all training
-windows, W*B at a time, and rank r takes every W-th of them. Because that position does not
-depend on the world size, a snapshot taken with 4 ranks resumes correctly with 2.
+Each data-parallel rank trains on a different shard of every global batch, as a
+DistributedSampler would choose it (mingpt_ddp/corpus/order.py). The data position is *global
+samples consumed in this epoch* (DataCursor), which does not depend on the world size: a snapshot
+taken with 4 ranks resumes correctly with 2.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from char_dataset import CharDataset
+from char_dataset import CharDataset, to_device
 from mingpt_ddp.config.deepspeed import DeepSpeedConfig
 from mingpt_ddp.config.optimizer import OptimizerConfig
 from mingpt_ddp.config.trainer import TrainerConfig
-from mingpt_ddp.metrics import LogWindow, MetricsLog, ProgressLine, format_duration, peak_memory
+from mingpt_ddp.metrics import (
+    LogWindow,
+    MetricsLog,
+    ProgressLine,
+    format_duration,
+    peak_memory,
+    report_optimizer_memory,
+)
 from mingpt_ddp.optim import set_learning_rates
-from mingpt_ddp.parallel.plan import Plan, replica, set_tf32
+from mingpt_ddp.parallel.plan import Plan, dropout_streams, replica, set_tf32
 from mingpt_ddp.parallel.registry import build_strategy
-from mingpt_ddp.parallel.strategy import Batch, StrategyArgs
+from mingpt_ddp.parallel.strategy import Batch, Strategy, StrategyArgs
 from mingpt_ddp.runtime.distributed import ControlPlane, DistContext, print0
 from mingpt_ddp.runtime.signals import StopSignals
 from mingpt_ddp.runtime.stall import StallWatch, attempt_store
@@ -55,7 +61,7 @@ class Trainer:
         self.cfg, self.optim_cfg, self.ctx, self.store = trainer_cfg, optim_cfg, ctx, store
         self.dataset, self.run_config, self.device = dataset, run_config, ctx.device
         c, self.control = trainer_cfg, ControlPlane()
-        # modes: the sections of the modes past trainer_config (pipeline, tensor, context, torchft)
+        # modes: the sections of the parallelisms (mesh, pipeline, tensor, context, torchft)
         plan = Plan.of(c, ctx.device, **(modes or {}))  # "auto" precision decided
         # How far the run has got (step, data position, val loss, RNG): what a resume restores.
         self.state = self._train_state(len(dataset.train), plan)
@@ -79,29 +85,22 @@ class Trainer:
         )
 
     def _train_state(self, num_windows: int, plan: Plan) -> TrainState:
-        """The run's progress, its data share (its replica's) and each rank's dropout stream: a
-        tensor-parallel group's ranks (tp: the innermost mesh dimension) hold the same activations
-        and share one, but not under sequence parallelism (dropout on a rank's own positions)."""
+        """The run's progress, its data share (its replica's: plan.replica) and each rank's dropout
+        stream (plan.dropout_streams: a tensor-parallel group's ranks share one)."""
         c, ctx = self.cfg, self.ctx
         share = replica(ctx.rank, ctx.world_size, plan)
-        tp = 1 if plan.tensor.sequence_parallel else plan.tensor.degree
         args = (num_windows, ctx, c.batch_size, c.grad_accum_steps, c.seed, self.control, share)
-        return TrainState(*args, streams=[r // tp for r in range(ctx.world_size)])
+        return TrainState(*args, streams=dropout_streams(plan, ctx.world_size))
 
     def _build_strategy(self, model: GPT, plan: Plan, ds: DeepSpeedConfig):
-        """The parallel mode named by the config, around the model moved to this rank's device."""
+        """The layout the config names, around the model moved to this rank's device."""
         set_tf32(plan, self.device)
         c = self.cfg
         args = (plan, self.ctx, self.optim_cfg, c.batch_size, c.grad_accum_steps, self.control)
         return build_strategy(c.parallel, model.to(self.device), StrategyArgs(*args, ds))
 
-    @property
-    def step(self) -> int:
-        return self.state.step
-
-    @property
-    def stop_signal(self) -> int | None:
-        return self.stops.received
+    step = property(lambda self: self.state.step)
+    stop_signal = property(lambda self: self.stops.received)  # int | None
 
     # ------------------------------------------------------------ snapshot state
     def identity(self) -> dict[str, Any]:
@@ -118,7 +117,7 @@ class Trainer:
             "vocab": self.dataset.tokenizer.chars,
         }
 
-    def position(self) -> str:
+    def position(self) -> str:  # where a resumed run stands, in words
         return self.state.position()
 
     def state_dict(self) -> dict[str, Any]:
@@ -136,7 +135,7 @@ class Trainer:
     def _next_batch(self) -> Batch:
         starts = self.state.data_cursor.next_starts(self.cfg.batch_size)  # (B,) this rank's windows
         self.trace.write(self.state.step + 1, self.state.data_cursor.epoch, starts)
-        return self._to_device(self.dataset.train.ids(starts))
+        return to_device(self.device, self.dataset.train.ids(starts))
 
     def _batches(self, n: int) -> Iterator[Batch]:
         """The next n micro-batches, read as the strategy asks for them (timed: data_ms)."""
@@ -146,14 +145,6 @@ class Trainer:
             self.data_seconds += time.perf_counter() - t0
             yield batch
 
-    def _to_device(self, ids: torch.Tensor) -> Batch:
-        """(B, T+1) ids from the token file -> inputs x and targets y, (B, T) int64 on the device.
-        A GPU gets the compact ids (1-2 bytes each) from pinned memory: an asynchronous DMA."""
-        if self.device.type == "cuda":
-            ids = ids.pin_memory().to(self.device, non_blocking=True)
-        ids = ids.long()  # (B, T+1)
-        return ids[:, :-1], ids[:, 1:]
-
     # ------------------------------------------------------------------ training
     def evaluate(self) -> float:
         """Mean validation loss over a fixed, evenly spaced set of windows, averaged over all ranks.
@@ -162,16 +153,14 @@ class Trainer:
         share, W = self.strategy.evaluation_share(self.state.replica, self.state.replicas)
         starts = val.evenly_spaced(n_iters * B * W)[share::W]  # its share (its replica's)
         return self.strategy.evaluate(
-            self._to_device(val.ids(starts[i * B : (i + 1) * B])) for i in range(n_iters)
+            to_device(self.device, val.ids(starts[i * B : (i + 1) * B])) for i in range(n_iters)
         )
 
     def _sample(self) -> str:
         tok = self.dataset.tokenizer
-        prompt = tok.encode("\n" if "\n" in tok.stoi else tok.chars[0])[None]  # (1, 1)
-        prompt = prompt.to(self.device)
-        # Its own generator: the training RNG is left untouched.
-        gen = torch.Generator(self.device).manual_seed(self.cfg.seed)
-        model = self.strategy.sampling_model()  # a pipeline's whole model, on rank 0 only
+        prompt = tok.encode("\n" if "\n" in tok.stoi else tok.chars[0])[None].to(self.device)
+        gen = torch.Generator(self.device).manual_seed(self.cfg.seed)  # training's RNG untouched
+        model = self.strategy.sampling_model()  # a split model put together on rank 0 only
         if model is None:
             return ""
         out = model.generate(prompt, self.cfg.sample_chars, temperature=0.8, generator=gen)
@@ -179,22 +168,19 @@ class Trainer:
 
     def train_step(self) -> torch.Tensor | None:
         """One optimizer step over grad_accum_steps micro-batches; returns this rank's mean loss
-        (on device), or None where the strategy computed none (a pipeline's earlier stages)."""
-        self._moved_to(self.strategy.begin_step(self.state.step))  # torchft: healed?
-        set_learning_rates(
-            self.strategy.optimizers, self.optim_cfg, self.state.step, self.cfg.max_steps
-        )
-        loss, committed = self.strategy.train_step(
-            self._batches(self.state.accum_steps), self.state.accum_steps
-        )
-        if committed:  # a step the strategy did not apply (torchft rejected it) is not counted
+        (on device), or None where it computed none (a pipeline's earlier stages)."""
+        s, n = self.strategy, self.state.accum_steps
+        self._moved_to(s.begin_step(self.state.step, n))  # torchft: healed from a live peer?
+        set_learning_rates(s.optimizers, self.optim_cfg, self.state.step, self.cfg.max_steps)
+        loss, applied = step(s, self._batches(n), n, self.optim_cfg.grad_clip)
+        if applied:  # a step the quorum did not commit (torchft) is not counted
             self.state.step += 1
         return loss
 
     def start(self) -> None:
         """Where training begins: a live torchft replica group's step if one is ahead (this group
         heals from it, no snapshot read), else the newest snapshot."""
-        if not self._moved_to(self.strategy.begin_step(self.state.step)):
+        if not self._moved_to(self.strategy.begin_step(self.state.step, self.state.accum_steps)):
             self.snapshots.resume()
 
     def _moved_to(self, step: int | None) -> bool:
@@ -228,7 +214,8 @@ class Trainer:
     def _train_loop(self) -> bool:
         """Train to max_steps (or the target loss); False if a stop signal ended it early."""
         self._announce()
-        if self._nothing_to_do():
+        if why := self.state.finished(self.cfg.max_steps, self.cfg.target_val_loss):
+            print0(f"train | {why}")  # a rerun of a finished run trains nothing
             return True
         progress = ProgressLine(self.cfg.max_steps, enabled=self.ctx.is_main)
         window, t_start = LogWindow(self.state.step, self.device), time.perf_counter()
@@ -239,7 +226,7 @@ class Trainer:
             window.add(loss)
             self.stall.beat(self.state.step)
             if self.state.step == window.start_step + 1:  # AdamW's state exists from step 1
-                self._report_optimizer_memory()
+                report_optimizer_memory(self.strategy, self.control)
             progress.update(self.state.step)
             last = self.state.step == self.cfg.max_steps
             evaluate = self.state.step % self.cfg.eval_every == 0 or last
@@ -273,38 +260,11 @@ class Trainer:
             f"steps {self.state.step}->{cfg.max_steps} (~{epochs:.2f} epochs)"
         )
 
-    def _report_optimizer_memory(self) -> None:
-        """One line: the optimizer state each rank holds, as a mean over the ranks. Under DDP every
-        rank holds all of it; ZeRO (any stage) and FSDP split it, 1/N per rank."""
-        mine = torch.tensor(float(self.strategy.optimizer_state_bytes()), device=self.device)
-        mean = self.control.mean(mine).item()
-        muon = len(self.strategy.optimizers) > 1
-        what = "AdamW's 2 moments" + (" + Muon's momentum" if muon else "")
-        print0(f"memory | optimizer state {mean / 1e6:.3f} MB per rank ({what}, mean over ranks)")
-
-    def _nothing_to_do(self) -> bool:
-        """A rerun of a finished run (target met, or max_steps reached) trains nothing."""
-        if self._target_reached():
-            print0(
-                f"train | snapshot's val loss {self.state.last_val_loss:.4f} already meets "
-                f"trainer_config.target_val_loss {self.cfg.target_val_loss}; nothing to do"
-            )
-            return True
-        if self.state.step >= self.cfg.max_steps:
-            print0(
-                f"train | snapshot is already at step {self.state.step} >= max_steps "
-                f"{self.cfg.max_steps}; nothing to do (raise trainer_config.max_steps, or use "
-                "another trainer_config.run_dir for a new run)"
-            )
-            return True
-        return False
-
     def _log(self, window: LogWindow, t_start: float, evaluate: bool) -> bool:
         """One log line (and metrics record) for the steps since the last; with evaluate, the
         validation loss and a sample too. Returns whether the target loss was reached."""
         cfg, step, steps = self.cfg, self.state.step, self.state.step - window.step
-        # .item() waits for the device: only on log steps, never every step. Averaged over ranks.
-        train_loss = window.mean_loss(self.control)
+        train_loss = window.mean_loss(self.control)  # over ranks; .item() only on log steps
         now = time.perf_counter()
         dt_step = (now - window.time) / steps
         eta = (now - t_start) / (step - window.start_step) * (cfg.max_steps - step)
@@ -319,8 +279,7 @@ class Trainer:
             "data_ms": round(1e3 * self.data_seconds / steps, 3),
         }
         print0(
-            f"step {step:>6}/{cfg.max_steps} | epoch {self.state.data_cursor.epoch} | "
-            f"loss {train_loss:.4f} | "
+            f"step {step:>6}/{cfg.max_steps} | epoch {record['epoch']} | loss {train_loss:.4f} | "
             f"lr {record['lr']:.2e} | {record['tokens_per_sec'] / 1e3:.1f}k tok/s | "
             f"{record['ms_per_step']:.1f} ms/step | ETA {format_duration(eta)}"
         )
@@ -331,8 +290,7 @@ class Trainer:
         return reached
 
     def _evaluate_and_report(self, record: dict) -> bool:
-        """The validation loss (and a sample) into record, and one line; whether the target is
-        met."""
+        """The val loss (and a sample) into record, and one line; whether the target is met."""
         record["val_loss"] = self.state.last_val_loss = round(self.evaluate(), 6)
         line = f"eval | step {self.state.step} | val loss {record['val_loss']:.4f}"
         # Where every rank must take part in each forward (FSDP all-gathers parameters), all
@@ -348,3 +306,43 @@ class Trainer:
                 f"{self.cfg.target_val_loss} at step {self.state.step} | stopping"
             )
         return reached
+
+
+# ---------------------------------------------------------------------------- the step
+def step(s: Strategy, batches: Iterator[Batch], n: int, grad_clip: float) -> tuple[Any, bool]:
+    """One optimizer step over n micro-batches, on any layout (nanoGPT's step): (this rank's mean
+    loss or None, whether the step was applied)."""
+    batches = map(s.local, batches)  # context parallel: this rank's tokens of each window
+    if s.own_step is not None:  # an engine's own step (DeepSpeed): backward to update
+        return s.own_step(batches, n)
+    with s.forward_context():  # autocast; context parallelism's ring
+        loss = s.pipeline.step(batches) if s.pipeline else micro_steps(s, batches, n)
+    return loss, update(s, grad_clip)
+
+
+def micro_steps(s: Strategy, batches: Iterator[Batch], n: int) -> torch.Tensor:
+    """Forward and backward of each micro-batch, gradients summed in place; the mean loss."""
+    loss = torch.zeros((), device=s.device)
+    for micro, (x, y) in enumerate(batches):
+        # Gradient sync on the last micro-step only: DDP's no_sync, FSDP's reduce-scatter.
+        with s.gradient_sync(micro == n - 1):
+            _, micro_loss = s.train_model(x, y)
+        # Each micro-step's loss / n: the summed gradients are those of the mean loss.
+        s.scaler.scale(micro_loss / n).backward()  # scale: a no-op unless fp16
+        loss += micro_loss.detach() / n
+    return loss
+
+
+def update(s: Strategy, grad_clip: float) -> bool:
+    """Clip and apply the step's gradients; whether it was applied."""
+    if not s.reduce_gradients():  # engines that average after backward (Horovod, torchft)
+        return False
+    for optimizer in s.optimizers:  # unscale first: the clip threshold is for true gradients
+        s.scaler.unscale_(optimizer)
+    # The norm over the whole model, wherever its pieces are; inf: measure, do not clip.
+    s.last_norm = s.clip(grad_clip or math.inf)
+    for optimizer in s.optimizers:
+        s.scaler.step(optimizer)  # skips the step if fp16 gradients overflowed
+        optimizer.zero_grad(set_to_none=True)  # free gradient memory instead of writing zeros
+    s.scaler.update()
+    return True

@@ -8,5 +8,6 @@ sub-package owns one thing, and none imports the story's modules.
     corpus/     where text comes from and how it becomes token ids, and the data order
     mingpt_ddp/optim.py    the optimizers (AdamW, Muon) and the learning-rate schedule
     mingpt_ddp/metrics.py  the metrics file, TensorBoard, the progress line
+    mingpt_ddp/urls.py     reaching a path or URL (local, S3, fsspec), for corpus/ and snapshots/
     errors.py   the mistakes a user can fix, as exception types
 """

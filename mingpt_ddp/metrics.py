@@ -19,6 +19,8 @@ from collections.abc import Callable
 
 import torch
 
+from mingpt_ddp.runtime.distributed import print0
+
 
 def format_duration(seconds: float) -> str:
     seconds = int(round(seconds))
@@ -155,3 +157,13 @@ def peak_memory(device: torch.device, control) -> str:
         + (f", {gpu_mb:.0f} MiB GPU" if gpu_mb else "")
         + " (largest rank)"
     )
+
+
+def report_optimizer_memory(strategy, control) -> None:
+    """One line: the optimizer state each rank holds, as a mean over the ranks. Under DDP every
+    rank holds all of it; ZeRO (any stage) and FSDP split it, 1/N per rank."""
+    mine = torch.tensor(float(strategy.optimizer_state_bytes()), device=strategy.device)
+    mean = control.mean(mine).item()
+    muon = len(strategy.optimizers) > 1
+    what = "AdamW's 2 moments" + (" + Muon's momentum" if muon else "")
+    print0(f"memory | optimizer state {mean / 1e6:.3f} MB per rank ({what}, mean over ranks)")

@@ -89,6 +89,23 @@ class TrainState:
         self.step = step
         self.data_cursor.seek(step * self.accum_steps, self.batch_size)
 
+    def finished(self, max_steps: int, target: float) -> str:
+        """Why a rerun of a finished run trains nothing (target met, or max_steps reached), or
+        "" if it has steps to train."""
+        loss = self.last_val_loss
+        if target and loss is not None and loss <= target:
+            return (
+                f"snapshot's val loss {loss:.4f} already meets trainer_config.target_val_loss "
+                f"{target}; nothing to do"
+            )
+        if self.step >= max_steps:
+            return (
+                f"snapshot is already at step {self.step} >= max_steps {max_steps}; nothing to do "
+                "(raise trainer_config.max_steps, or use another trainer_config.run_dir for a new "
+                "run)"
+            )
+        return ""
+
     def position(self) -> str:
         """Where the run stands, in words (the resume line)."""
         return (

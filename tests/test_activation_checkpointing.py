@@ -203,6 +203,9 @@ def test_deepspeed_zero3_trains_the_same_losses_with_it(shakespeare, tmp_path):
         result = run_main(args + [f"parallel={parallel}"], nproc=2)
         assert result.returncode == 0, result.stderr[-3000:]
         records = MetricsLog.read(str(run_dir / "metrics.jsonl"))
-        losses[parallel] = [(r["train_loss"], r["grad_norm"]) for r in records if "train_loss" in r]
+        # Flat: pytest.approx (9.2 on) takes no nested sequences.
+        losses[parallel] = [
+            value for r in records if "train_loss" in r for value in (r["train_loss"], r["grad_norm"])
+        ]
     assert "ZeRO-3 + activation checkpointing (2 of 2 blocks)" in result.stdout
     assert losses["zero3"] == pytest.approx(losses["ddp"], abs=1e-5)

@@ -1,6 +1,8 @@
 """Snapshots written by older code still resume: one of each layout (a single file, FSDP's DCP
-shards, DeepSpeed ZeRO-2's files), made by tests/fixtures/make_old_snapshots.py at the commit its
-README names, is resumed by today's code and trains on."""
+shards, DeepSpeed ZeRO-2's files, a 2-stage pipeline's, a 2-way tensor-parallel job's), made by
+tests/fixtures/make_old_snapshots.py at the commit its README row names, is resumed by today's code
+and trains on. Each resumes with the settings that wrote it (LAYOUTS, as in that script): a
+pipeline's snapshot resumes only under a pipeline."""
 
 import shutil
 
@@ -9,18 +11,26 @@ from conftest import REPO, run_main, tiny_overrides
 
 pytestmark = pytest.mark.slow
 FIXTURES = REPO / "tests" / "fixtures" / "old_snapshots"
+# Each layout's overrides, the same as make_old_snapshots.LAYOUTS wrote it with.
+LAYOUTS = {
+    "single": ["parallel=ddp"],
+    "fsdp": ["parallel=fsdp"],
+    "deepspeed": ["parallel=zero2"],
+    "pipeline": ["parallel=ddp", "pipeline_config.degree=2", "pipeline_config.microbatches=2"],
+    "tensor": ["parallel=ddp", "tensor_config.degree=2"],
+}
 
 
-@pytest.mark.parametrize(
-    "layout, group",
-    [("single", "parallel=ddp"), ("fsdp", "parallel=fsdp"), ("deepspeed", "parallel=zero2")],
-)
-def test_an_old_snapshot_resumes_and_trains_on(layout, group, shakespeare, tmp_path):
+@pytest.mark.parametrize("layout, overrides", LAYOUTS.items(), ids=list(LAYOUTS))
+def test_an_old_snapshot_resumes_and_trains_on(layout, overrides, shakespeare, tmp_path):
     if layout == "deepspeed":
         pytest.importorskip("deepspeed", reason='pip install -e ".[deepspeed]"')
     shutil.copytree(FIXTURES / layout, tmp_path / "snapshots")
     result = run_main(
-        [group, *tiny_overrides(shakespeare, tmp_path, max_steps=6, save_every=2, eval_every=6)],
+        [
+            *overrides,
+            *tiny_overrides(shakespeare, tmp_path, max_steps=6, save_every=2, eval_every=6),
+        ],
         nproc=2,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

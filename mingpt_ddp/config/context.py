@@ -16,8 +16,8 @@ class ContextConfig:
     between them; world size / degree such groups are data-parallel."""
 
     degree: int = 1
-    """Ranks that split every window's tokens (2 x degree must divide the block size and the
-    world size must be a multiple of it). 1: no context parallelism."""
+    """Alias of mesh_config.cp. Ranks that split every window's tokens (2 x degree must divide
+    the block size and the world size must be a multiple of it). 1: no context parallelism."""
 
     def __post_init__(self) -> None:
         if self.degree < 1:

@@ -17,8 +17,8 @@ class PipelineConfig:
     world size / degree such rows, data-parallel over trainer_config.parallel (ddp or fsdp)."""
 
     degree: int = 1
-    """Pipeline stages in a row (ranks per pipeline); must divide the world size. 1: no
-    pipeline."""
+    """Alias of mesh_config.pp. Pipeline stages in a row (ranks per pipeline); must divide the
+    world size. 1: no pipeline."""
     schedule: str = "1f1b"
     """gpipe (all forwards, then all backwards), 1f1b (one forward, one backward once the pipe is
     full: at most `degree` microbatches' activations held), interleaved1f1b (several stages per

@@ -3,8 +3,9 @@
 Each section of the config is a dataclass in this package (config/): DataConfig (data.py),
 GPTConfig (model.py), OptimizerConfig (optimizer.py), TrainerConfig (trainer.py), DeepSpeedConfig
 (deepspeed.py), PipelineConfig (pipeline.py), TensorConfig (tensor.py), ContextConfig
-(context.py), TorchftConfig (replica_groups.py); they import nothing but the error types, so any
-part of the project can import its section without importing the others. They are the only place a
+(context.py), TorchftConfig (replica_groups.py), MeshConfig (mesh.py: every degree); they import
+nothing but the error types, so any part of the project can import its section without importing
+the others. They are the only place a
 key, its type, its default and its meaning are written. This module puts them together as the
 job's schema and registers it with Hydra's ConfigStore; gpt2_train_cfg.yaml composes it through
 its defaults list.
@@ -32,6 +33,7 @@ from mingpt_ddp.config.context import ContextConfig
 from mingpt_ddp.config.data import DataConfig
 from mingpt_ddp.config.deepspeed import DeepSpeedConfig
 from mingpt_ddp.config.groups import PARALLEL, RECIPES
+from mingpt_ddp.config.mesh import MeshConfig
 from mingpt_ddp.config.model import MODEL_SIZES, GPTConfig
 from mingpt_ddp.config.optimizer import OptimizerConfig
 from mingpt_ddp.config.pipeline import PipelineConfig
@@ -54,6 +56,7 @@ def sections() -> dict[str, type]:
         "tensor_config": TensorConfig,
         "context_config": ContextConfig,
         "torchft_config": TorchftConfig,
+        "mesh_config": MeshConfig,
     }
 
 

@@ -16,8 +16,8 @@ class TensorConfig:
     data-parallel (parallel=fsdp over them, or one group alone)."""
 
     degree: int = 1
-    """Ranks that split every block's matrices, heads and MLP columns (must divide the heads,
-    the world size and 4 x n_embd). 1: no tensor parallelism."""
+    """Alias of mesh_config.tp. Ranks that split every block's matrices, heads and MLP columns
+    (must divide the heads, the world size and 4 x n_embd). 1: no tensor parallelism."""
     sequence_parallel: bool = False
     """Also split the sequence between the split matmuls (LayerNorms, dropout and the residual
     stream on T / degree positions each): the same bytes sent as all-gather + reduce-scatter
@@ -26,8 +26,3 @@ class TensorConfig:
     def __post_init__(self) -> None:
         if self.degree < 1:
             raise ConfigError(f"tensor_config.degree must be 1 or more, got {self.degree}")
-        if self.sequence_parallel and self.degree == 1:
-            raise ConfigError(
-                "tensor_config.sequence_parallel=true splits the sequence between the ranks of "
-                "tensor parallelism: set tensor_config.degree to 2 or more"
-            )

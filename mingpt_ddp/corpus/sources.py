@@ -1,4 +1,5 @@
-"""Where a corpus's text comes from: local files, globs, S3 and fsspec URLs, read in bounded chunks.
+"""Where a corpus's text comes from: local files, globs, S3 and fsspec URLs, read in bounded
+chunks.
 
 data_config.path names one file or several (a glob, concatenated in name order). Each
 becomes a SourceFile: its URL, its size, an identity that changes when the file does
@@ -7,7 +8,8 @@ its bytes. A file named .gz, .bz2, .xz, .lzma or .zst (zstd needs the zstandard 
 decompressed as it is read; its size and identity stay the compressed file's. prepare.py reads
 every source this way, twice, with memory bounded by the
 chunk size whatever the corpus size; it compares identities to know when a prepared
-copy is stale.
+copy is stale. Which library reads which URL, and the S3 client, are mingpt_ddp/urls.py's, the
+same as the snapshot store's (a corpus must not need the snapshot code to be read).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import fsspec.compression
 import fsspec.utils
 
 from mingpt_ddp.errors import DatasetError
+from mingpt_ddp.urls import backend_of, s3_client, s3_error_code, split_s3_url, storage_hint
 
 CHUNK_BYTES = 16 << 20  # memory per pass is a few times this, whatever the corpus size
 _GLOB = re.compile(r"[*?\[]")
@@ -108,9 +111,7 @@ def _local_files(spec: str) -> list[SourceFile]:
 
 
 def _s3_files(spec: str, endpoint_url: str) -> list[SourceFile]:
-    from mingpt_ddp.snapshots.storage import s3_client
-
-    bucket, _, key = spec[len("s3://") :].partition("/")
+    bucket, key = split_s3_url(spec)
     client = s3_client(endpoint_url)
 
     def source(key: str, size: int, etag: str) -> SourceFile:
@@ -122,7 +123,7 @@ def _s3_files(spec: str, endpoint_url: str) -> list[SourceFile]:
         head = client.head_object(Bucket=bucket, Key=key)
         return [source(key, head["ContentLength"], head["ETag"])]
     except Exception as e:  # noqa: BLE001 - a missing key is "no file" (or a glob); anything else is reported
-        if getattr(e, "response", {}).get("Error", {}).get("Code") not in ("404", "NoSuchKey"):
+        if s3_error_code(e) not in ("404", "NoSuchKey"):
             raise
     if not _GLOB.search(key):
         return []
@@ -187,15 +188,14 @@ def _fsspec_files(spec: str) -> list[SourceFile]:
 def find_sources(spec: str, s3_endpoint_url: str = "") -> list[SourceFile]:
     """The files data_config.path names (a path, an s3:// or fsspec URL, or a glob of them), in name
     order."""
-    from mingpt_ddp.snapshots.storage import storage_hint
-
+    kind, target = backend_of(spec)
     try:
-        if spec.startswith("s3://"):
-            files = _s3_files(spec, s3_endpoint_url)
-        elif "://" in spec and not spec.startswith("file://"):
-            files = _fsspec_files(spec)
+        if kind == "s3":
+            files = _s3_files(target, s3_endpoint_url)
+        elif kind == "fsspec":
+            files = _fsspec_files(target)
         else:
-            files = _local_files(spec.removeprefix("file://"))
+            files = _local_files(target)
     except DatasetError:
         raise
     except Exception as e:  # noqa: BLE001 - unreachable storage, credentials, a missing fsspec package...
@@ -219,7 +219,7 @@ def _read_blocks(source: SourceFile) -> Iterator[bytes]:
     try:
         yield from source.open_blocks()
     except Exception as e:  # noqa: BLE001 - a vanished file, an I/O error, a dropped connection...
-        if getattr(e, "response", {}).get("Error", {}).get("Code") in ("412", "PreconditionFailed"):
+        if s3_error_code(e) in ("412", "PreconditionFailed"):
             raise DatasetError(
                 f"data_config.path: {source.url} changed while it was being prepared; run again "
                 "once nothing writes to it"

@@ -1,4 +1,4 @@
-"""parallel=ddp: DistributedDataParallel, a whole replica of the model on every rank.
+"""Replicated data parallelism (parallel=ddp): DistributedDataParallel.
 
 Every rank holds all parameters, gradients and optimizer state. DDP registers autograd hooks
 that all-reduce the gradients bucket by bucket while backward is still running, overlapping
@@ -6,49 +6,26 @@ communication with compute, so every replica takes the same optimizer step and t
 identical. With gradient accumulation, only the last micro-step's backward communicates
 (no_sync before it). grad_reduce=via_rank0 swaps the ring all-reduce for a star through rank 0
 (reduce_through_rank0), the teaching baseline that shows why DDP does what it does.
+DDP takes plain parameters: beside tensor parallelism (DTensors) the replicas go through
+fully_shard instead (fsdp.py). Grown-up version of tutorials/single_to_ddp.py.
 """
 
 from __future__ import annotations
-
-from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mingpt_ddp.errors import ConfigError
-from mingpt_ddp.parallel.single import CPU_OFFLOAD_NEEDS_FSDP, Single
-from mingpt_ddp.parallel.strategy import StrategyArgs
 
-
-class DDPStrategy(Single):
-    """The local step of single.py, with DDP's gradient all-reduce during backward."""
-
-    @classmethod
-    def check(cls, args: StrategyArgs) -> None:
-        if args.plan.cpu_offload:
-            raise ConfigError(CPU_OFFLOAD_NEEDS_FSDP)
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        model = super().wrap(model)  # checkpointed and compiled in place first, if asked
-        if not self.ctx.distributed:
-            return model  # `python main.py`: a world of one, nothing to average
-        ddp = DDP(model, device_ids=[self.ctx.local_rank] if self.device.type == "cuda" else None)
-        if self.plan.grad_reduce == "via_rank0":
-            ddp.register_comm_hook(None, reduce_through_rank0)
-        return ddp
-
-    def gradient_sync(self, sync: bool) -> AbstractContextManager:
-        """Before the last micro-step gradients only accumulate locally (DDP's no_sync)."""
-        if sync or not isinstance(self.train_model, DDP):
-            return nullcontext()
-        return self.train_model.no_sync()
-
-    def describe(self) -> tuple[str, str]:
-        star = self.plan.grad_reduce == "via_rank0"
-        mode = f"ddp{' (gradients via rank 0)' if star else ''}{self.checkpointing_words()}"
-        return mode, self.precision()
+def apply_ddp(model: nn.Module, group, plan, device: torch.device, local_rank: int) -> nn.Module:
+    """model wrapped in DDP over group (its data-parallel ranks: dp x cp, a pipeline stage's
+    column); grad_reduce=via_rank0 swaps its ring all-reduce for the star through rank 0."""
+    ids = [local_rank] if device.type == "cuda" else None
+    ddp = DDP(model, device_ids=ids, process_group=group)
+    if plan.grad_reduce == "via_rank0":
+        ddp.register_comm_hook(None, reduce_through_rank0)
+    return ddp
 
 
 # No type annotations on the hook: DDP checks them, and `from __future__ import annotations`

@@ -18,10 +18,11 @@ gradient accumulation), gradient reduction, clipping and the optimizer step. Eve
 
 Snapshots: the engine's save_checkpoint writes each rank's partition into a local staging
 directory, and SnapshotStore.save_files stores and commits those files like DCP shards
-(manifest with checksums, atomic commit, keep-last-N, any storage), by the rules of
-DEEPSPEED_FILES. DeepSpeed's files are partitioned by rank, so a snapshot resumes at the world
-size and ZeRO stage that wrote it; `python -m mingpt_ddp.snapshots consolidate` turns one into a
-single fp32 file (for sample.py, or to start a run of another shape).
+(manifest with checksums, atomic commit, keep-last-N, any storage), by the rules of the
+"deepspeed" layout (mingpt_ddp/snapshots/layouts.py). DeepSpeed's files are partitioned by rank,
+so a snapshot resumes at the world size and ZeRO stage that wrote it; `python -m
+mingpt_ddp.snapshots consolidate` turns one into a single fp32 file (for sample.py, or to start a
+run of another shape).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import contextlib
 import io
 import logging
 import os
-import re
 import time
 import warnings
 from collections.abc import Iterator
@@ -44,14 +44,17 @@ from mingpt_ddp.errors import ConfigError, SnapshotMismatch
 from mingpt_ddp.optim import build_optimizers, check_muon_supported, state_tensors
 from mingpt_ddp.parallel.checkpointing import apply_activation_checkpointing
 from mingpt_ddp.parallel.plan import local_bytes
-from mingpt_ddp.parallel.single import check_no_foreign_options
-from mingpt_ddp.parallel.strategy import Batch, Strategy, StrategyArgs
-from mingpt_ddp.runtime.distributed import print0
-from mingpt_ddp.snapshots.layout import FileLayout
-
-TAG = (
-    "zero"  # DeepSpeed's checkpoint tag: the sub-directory of the staging directory its files go in
+from mingpt_ddp.parallel.strategy import (
+    Batch,
+    Strategy,
+    StrategyArgs,
+    check_no_foreign_options,
 )
+from mingpt_ddp.runtime.distributed import print0
+
+# DeepSpeed's checkpoint tag: the sub-directory of the staging directory its files go in (the
+# same name as the snapshot layout's subdir, mingpt_ddp/snapshots/layouts.py's DEEPSPEED_TAG).
+TAG = "zero"
 
 
 def import_deepspeed(device: torch.device):
@@ -108,76 +111,10 @@ def engine_config(
     }
 
 
-def safe_globals() -> list:
-    """The classes DeepSpeed pickles into its checkpoint files besides tensors and builtins."""
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [ZeroStageEnum, LossScaler, fragment_address]
-
-
-def check_weights_only(directory: str) -> None:
-    """DeepSpeed reads its files with torch.load(weights_only=False), which runs any code a crafted
-    file carries. Before it does, each file must load with weights_only=True, allowing only the few
-    DeepSpeed classes it is known to hold (their sha256 already matched the manifest)."""
-    with torch.serialization.safe_globals(safe_globals()):
-        for name in sorted(os.listdir(directory)):
-            try:
-                torch.load(os.path.join(directory, name), map_location="cpu", weights_only=True)
-            except Exception as e:  # noqa: BLE001 - reported as one line
-                raise RuntimeError(
-                    f"{name} holds more than DeepSpeed's checkpoint data "
-                    f"({type(e).__name__}: {str(e).splitlines()[0]}); not loading it"
-                ) from None
-
-
-def consolidated_model(stage: str) -> dict[str, torch.Tensor]:
-    """Full fp32 weights, keyed like the model's own state_dict, from a staged (and checked)
-    DeepSpeed snapshot (its fp32 optimizer partitions, put back together on the CPU; no process
-    group needed)."""
-    import_deepspeed(torch.device("cpu"))
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    with (
-        contextlib.redirect_stdout(io.StringIO()),
-        contextlib.redirect_stderr(io.StringIO()),
-    ):  # its progress lines
-        state = get_fp32_state_dict_from_zero_checkpoint(stage, tag=TAG)
-    return {k: v.contiguous() for k, v in state.items()}
-
-
-def _full_tensors(stage: str) -> dict:
-    return {"model": consolidated_model(stage)}  # the weights; the optimizer stays partitioned
-
-
-def _refusal(meta: dict) -> str:
-    stage = meta["deepspeed"]["zero_stage"]
-    return (
-        f"was written by DeepSpeed ZeRO-{stage}; resume with trainer_config.parallel=deepspeed "
-        f"deepspeed_config.zero_stage={stage}, or export its weights with python -m "
-        "mingpt_ddp.snapshots consolidate"
-    )
-
-
-DEEPSPEED_FILES = FileLayout(
-    kind="deepspeed",
-    extension="zero",
-    subdir=TAG,
-    check=check_weights_only,
-    file_names=re.compile(
-        r"^(mp_rank_\d\d_model_states\.pt|"
-        r"(bf16_)?zero_pp_rank_\d+_mp_rank_\d\d_(optim|model)_states\.pt)$"
-    ),
-    full_tensors=_full_tensors,
-    refusal=_refusal,
-)
-
-
 class DeepSpeedStrategy(Strategy):
     """DeepSpeed's engine as a parallel mode: it wraps the model and owns the whole step."""
 
-    layout = DEEPSPEED_FILES
+    files = "deepspeed"  # its engine's files (mingpt_ddp/snapshots/layouts.py reads them)
     amp_words = "{dtype} parameters, fp32 master weights (DeepSpeed)"
 
     def __init__(self, model: nn.Module, args: StrategyArgs):
@@ -206,6 +143,7 @@ class DeepSpeedStrategy(Strategy):
         print0(f"deepspeed | ZeRO-{ds.zero_stage} engine ready in {time.perf_counter() - t0:.1f} s")
         # Every rank must run every forward when each holds only part of the parameters.
         self.forward_on_all_ranks = ds.zero_stage == 3
+        self.own_step = self.engine_step  # the Trainer's step hands it the micro-batches
 
     @classmethod
     def check(cls, args: StrategyArgs) -> None:
@@ -227,7 +165,7 @@ class DeepSpeedStrategy(Strategy):
                 "trainer_config.amp_dtype=bf16"
             )
 
-    def train_step(self, batches: Iterator[Batch], n_micro: int) -> tuple[torch.Tensor, bool]:
+    def engine_step(self, batches: Iterator[Batch], n_micro: int) -> tuple[torch.Tensor, bool]:
         """The engine divides each micro-step's loss by the accumulation steps and counts them: its
         step() reduces gradients, clips and updates only after the last."""
         loss_sum = torch.zeros((), device=self.device)
@@ -263,7 +201,7 @@ class DeepSpeedStrategy(Strategy):
         """DeepSpeed's files are its engine's, partitioned per rank: they resume with DeepSpeed, at
         the same ZeRO stage and world size; other modes' snapshots do not load into the engine."""
         meta, stage = snapshot.meta, self.cfg.zero_stage
-        if snapshot.layout is not DEEPSPEED_FILES:
+        if snapshot.kind != self.files:
             parallel = meta["config"]["trainer_config"]["parallel"]
             raise SnapshotMismatch(
                 f"{where} was written by parallel={parallel}, which DeepSpeed cannot "
@@ -285,7 +223,7 @@ class DeepSpeedStrategy(Strategy):
 
     def read_tensors(self, snapshot) -> dict:
         """Collective: every rank loads its partition from the staged files (all the snapshot's
-        files, checked against the manifest and by check_weights_only when the store staged
+        files, checked against the manifest and by the layout's weights-only check when staged
         them)."""
         path, _ = self.engine.load_checkpoint(
             snapshot.directory, tag=TAG, load_lr_scheduler_states=False

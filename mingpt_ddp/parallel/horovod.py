@@ -14,20 +14,19 @@ the start, and its weights and optimizer state after a resume.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack
 
 import torch
 import torch.nn as nn
 
 from mingpt_ddp.errors import ConfigError
-from mingpt_ddp.parallel.single import Single, check_no_foreign_options
-from mingpt_ddp.parallel.strategy import Batch, StrategyArgs
+from mingpt_ddp.parallel.grid import GridStrategy
+from mingpt_ddp.parallel.strategy import StrategyArgs, check_no_foreign_options
 from mingpt_ddp.runtime.horovodrun import import_horovod
 
 
-class HorovodStrategy(Single):
-    """The local step of single.py, with Horovod averaging the gradients."""
+class HorovodStrategy(GridStrategy):
+    """The Trainer's step on a whole model, with Horovod averaging the gradients."""
 
     def __init__(self, model: nn.Module, args: StrategyArgs):
         self.hvd = import_horovod()
@@ -42,6 +41,11 @@ class HorovodStrategy(Single):
     @classmethod
     def check(cls, args: StrategyArgs) -> None:
         check_no_foreign_options(args.plan)  # FSDP's CPU offload, DDP's via_rank0 hook
+        if any(degree > 1 for degree in args.plan.degrees().values()):
+            raise ConfigError(
+                "parallel=horovod averages whole gradients over every rank: set mesh_config.tp, "
+                "cp and pp to 1 (or use parallel=ddp or fsdp for a split model)"
+            )
         hvd = import_horovod()
         hvd.init()  # started already under horovodrun; a plain `python main.py`: a world of one
         if hvd.size() != args.ctx.world_size:
@@ -64,20 +68,27 @@ class HorovodStrategy(Single):
         # and torch.distributed.checkpoint when it creates optimizer state); it sets to None anyway.
         horovod_zero_grad = wrapped.zero_grad
         wrapped.zero_grad = lambda set_to_none=True: horovod_zero_grad()
+        # Its step after synchronize() (reduce_gradients) must not synchronize again.
+        horovod_step = wrapped.step
+
+        def step(*args, **kwargs):
+            with wrapped.skip_synchronize():
+                return horovod_step(*args, **kwargs)
+
+        wrapped.step = step
         return wrapped
 
-    def train_step(self, batches: Iterator[Batch], n_micro: int) -> tuple[torch.Tensor, bool]:
+    def begin_step(self, step: int, n_micro: int) -> int | None:
         for optimizer in self.optimizers:  # a resume at another world size changes accumulation
             if optimizer.backward_passes_per_step != n_micro:
                 optimizer.set_backward_passes_per_step(n_micro)
-        return super().train_step(batches, n_micro)
+        return None
 
-    def clip_and_step(self) -> torch.Tensor:
-        # The all-reduces started during the last backward; clipping needs their results.
+    def reduce_gradients(self) -> bool:
+        """The all-reduces started during the last backward; clipping needs their results."""
         for optimizer in self.optimizers:
             optimizer.synchronize()
-        with self.without_synchronizing():
-            return super().clip_and_step()
+        return True
 
     def without_synchronizing(self) -> AbstractContextManager:
         """step() without Horovod's all-reduce: after synchronize(), and for the optimizer state

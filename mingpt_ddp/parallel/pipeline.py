@@ -1,23 +1,21 @@
-"""pipeline_config.degree > 1: pipeline parallelism (torch.distributed.pipelining) x data parallel.
+"""Pipeline parallelism (mesh_config.pp, alias pipeline_config.degree): torch's pipelining.
 
 The model is cut into stages, consecutive blocks each (stages.py), one per rank of a pipeline
-(or several, interleaved). Each step's batch is cut into microbatches; a schedule runs them
-through the stages, activations passed forward and their gradients backward between neighbours
-by send/recv, so several stages compute at once on different microbatches. GPipe runs every
-forward, then every backward (it holds all microbatches' activations); 1F1B starts backwards as
-soon as the last stage has a microbatch's loss (it holds at most `degree`); interleaved 1F1B puts
-several smaller stages on each rank, for a smaller bubble at more hand-offs. The ranks still
-idle while the pipe fills and drains, the bubble: (p - 1) / (m + p - 1) of a step for GPipe and
-1F1B with p stages and m microbatches (tutorials/pipeline_by_hand.py measures it).
-
-Replicas of the whole pipeline run side by side (the notes' DDP+MP): each stage's column of
-ranks averages its gradients over DDP or FSDP (trainer_config.parallel) on the mesh's "dp"
-dimension; torch's PipelineStage switches their gradient sync on for the last microbatch only.
+(or several, interleaved). Each stage goes through the same ladder as a whole model would
+(parallelize.py: tensor and context parallelism, checkpointing, compile, data parallelism over its
+column). Each step's batch is cut into microbatches; a schedule runs them through the stages,
+activations passed forward and their gradients backward between neighbours by send/recv, so
+several stages compute at once on different microbatches. GPipe runs every forward, then every
+backward (it holds all microbatches' activations); 1F1B starts backwards as soon as the last stage
+has a microbatch's loss (it holds at most `degree`); interleaved 1F1B puts several smaller stages
+on each rank, for a smaller bubble at more hand-offs. The ranks still idle while the pipe fills
+and drains, the bubble: (p - 1) / (m + p - 1) of a step for GPipe and 1F1B with p stages and m
+microbatches (tutorials/pipeline_by_hand.py, whose grown-up version this is, measures it).
 
 What one process does stays true across the stages, by three steps the engine does not take:
 - the tied embedding/head matrix lives on the first and the last stage; its two gradients are
   summed between them every step (one all-reduce per replica), so both copies take the same step;
-- clipping uses the global norm: each stage's squared norm, summed over the pipeline;
+- clipping uses the global norm: each stage's squared norm, summed over the pipeline (clip.py);
 - the loss exists on the last stage only: log lines and evaluation average over the ranks that
   have one.
 """
@@ -29,46 +27,23 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
 from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mingpt_ddp.errors import ConfigError, SnapshotMismatch
-from mingpt_ddp.optim import build_optimizers, check_muon_supported, own_kernels
-from mingpt_ddp.parallel.checkpointing import apply_activation_checkpointing, checkpointing_words
-from mingpt_ddp.parallel.fsdp import shard_model, write_dcp
-from mingpt_ddp.parallel.plan import coordinates, mesh_shape
-from mingpt_ddp.parallel.single import Single, check_no_foreign_options
+from mingpt_ddp.parallel.mesh import ParallelDims
+from mingpt_ddp.parallel.parallelize import Parallelized, parallelize
 from mingpt_ddp.parallel.stages import (
-    FLAT,
-    PIPELINE_FILES,
     Stage,
     block_ranges,
     check_microbatches,
     cut,
     forward_through,
     stage_ids,
-)
-from mingpt_ddp.parallel.strategy import Batch, Strategy, StrategyArgs, assemble
-from mingpt_ddp.parallel.tensor import (
-    TensorParallelStrategy,
-    clip_by,
-    global_norm,
-    heads_first,
-    parallelize,
-    standard_order,
-    to_layout,
 )
 
 SCHEDULES = {
@@ -78,109 +53,45 @@ SCHEDULES = {
 }
 
 
-class PipelineStrategy(Single):
-    """This rank's stages of the model, run by a torch.distributed.pipelining schedule."""
+class Pipeline:
+    """This rank's stages of the model, each through the ladder, and the schedule that runs them."""
 
-    layout = PIPELINE_FILES
-    forward_on_all_ranks = True  # every stage takes part in every forward
-
-    def __init__(self, model: nn.Module, args: StrategyArgs):
-        Strategy.__init__(self, model, args)
-        self.check(args)
-        self.cfg = cfg = args.plan.pipeline
-        shape = mesh_shape(self.ctx.world_size, args.plan)
-        me = coordinates(self.ctx.rank, shape)
-        self.pp_rank, self.dp_rank, self.tp_rank = me["pp"], me["dp"], me["tp"]
-        dp, tp = shape["dp"], shape["tp"]
-        self.mesh = init_device_mesh(
-            self.device.type, (cfg.degree, dp, tp), mesh_dim_names=("pp", "dp", "tp")
-        )
-        self.order = heads_first(model.config.n_embd, tp)
-        # Global ranks of this rank's row (one whole pipeline: its replica, its tp index), in
-        # stage order.
-        self.row = [(q * dp + self.dp_rank) * tp + self.tp_rank for q in range(cfg.degree)]
+    def __init__(self, model: nn.Module, mesh, dims: ParallelDims, plan, ctx):
+        self.cfg = cfg = plan.pipeline
+        pp_rank = dims.coordinates(ctx.rank)["pp"]
+        # Global ranks of this rank's row (one whole pipeline), in stage order.
+        self.row = dist.get_process_group_ranks(mesh["pp"].get_group())
+        self.first_of_row = all(v == 0 for k, v in dims.coordinates(ctx.rank).items() if k != "pp")
         ranges = block_ranges(model.config.n_layer, cfg.stages)
-        self.ids = stage_ids(self.pp_rank, cfg.degree, cfg.stages)
+        self.ids = stage_ids(pp_rank, cfg.degree, cfg.stages)
         last = cfg.stages - 1
         self.stages = [cut(model, ranges[i], i == 0, i == last) for i in self.ids]
-        self.model = self.stages[0]  # its config and blocks (strategy.model's contract)
-        wrapped = [self.wrap(stage) for stage in self.stages]
-        self.schedule = self.build_schedule(wrapped, model.loss)
-        # One optimizer per stage: a state dict maps each optimizer to one module's names.
-        self.stage_optimizers = [
-            build_optimizers(s, args.optim, self.device.type) for s in self.stages
+        self.parts: list[Parallelized] = [
+            parallelize(stage, mesh, dims, plan, ctx, whole=False) for stage in self.stages
         ]
-        self.optimizers = [opt for opts in self.stage_optimizers for opt in opts]
+        self.schedule = self.build_schedule(pp_rank, mesh["pp"].get_group(), ctx.device, model)
+        self.across = dims.world_size // dims.pp  # the ranks of one stage
         self.tie_group, self.tied = self.tie_the_embeddings(model.config.tie_embeddings)
-        self.init_step_state(model, args.batch_size)  # its scaler is off: fp16 is refused
 
-    @classmethod
-    def check(cls, args: StrategyArgs) -> None:
-        plan = args.plan
-        check_microbatches(args.batch_size * args.accum_steps, plan.pipeline.microbatches)
-        if plan.parallel not in ("ddp", "fsdp"):
-            raise ConfigError(
-                f"pipeline_config.degree > 1 runs its replicas over ddp or fsdp, not "
-                f"parallel={plan.parallel} (ZeRO's partitions would have to follow the stages); "
-                "set trainer_config.parallel=ddp or fsdp"
-            )
-        check_no_foreign_options(plan)
-        if plan.use_amp and plan.amp_dtype == "fp16":
-            raise ConfigError(
-                "fp16 under a pipeline would need its loss scale inside the schedule; use "
-                "trainer_config.amp_dtype=bf16 (no scaling needed) or use_amp=false"
-            )
-        if plan.parallel == "fsdp":
-            check_muon_supported(args.optim, "fsdp")  # with ddp, Muon sees whole matrices
-        if plan.tensor.degree > 1:
-            TensorParallelStrategy.check(args)
-        if plan.tensor.sequence_parallel:
-            raise ConfigError(
-                "tensor_config.sequence_parallel=true is not built with a pipeline (its stages "
-                "would hand on sequence shards): set it to false, or pipeline_config.degree=1"
-            )
-
-    # ---------------------------------------------------------------- building
-    def wrap(self, stage: nn.Module) -> nn.Module:
-        """Tensor parallelism, activation checkpointing, compile, then the data-parallel wrapper
-        over this stage's column (torchtitan's order)."""
-        if self.mesh["tp"].size() > 1:
-            parallelize(stage, self.mesh["tp"], sequence_parallel=False)
-        self.checkpointed += apply_activation_checkpointing(
-            stage, self.plan.activation_checkpointing
-        )
-        if self.plan.compile:  # block by block: a stage's ends differ (ids in, logits out)
-            for block in stage.blocks.children():
-                block.compile()
-        if self.plan.parallel == "fsdp":
-            shard_model(stage, self.mesh["dp"], self.plan)
-            return stage
-        if self.mesh["dp"].size() == 1:
-            return stage  # one replica: nothing to average
-        ids = [self.ctx.local_rank] if self.device.type == "cuda" else None
-        return DDP(stage, device_ids=ids, process_group=self.mesh.get_group("dp"))
-
-    def build_schedule(self, wrapped: list[nn.Module], loss_fn):
+    def build_schedule(self, pp_rank: int, group, device, model):
         """torch's PipelineStage around each of this rank's stages, and the schedule over them."""
-        pp_group = self.mesh.get_group("pp")
         stages = [
-            Stage(module, i, self.cfg.stages, self.device, group=pp_group)
-            for module, i in zip(wrapped, self.ids)
+            Stage(part.module, i, self.cfg.stages, device, group=group, ring=part.ring)
+            for part, i in zip(self.parts, self.ids)
         ]
         kind = SCHEDULES[self.cfg.schedule]
         one = stages if kind is ScheduleInterleaved1F1B else stages[0]
         # scale_grads: each microbatch's loss is its own mean; dividing the summed gradients by
         # the microbatch count makes them the gradient of the whole batch's mean loss.
-        return kind(one, n_microbatches=self.cfg.microbatches, loss_fn=loss_fn, scale_grads=True)
+        return kind(one, n_microbatches=self.cfg.microbatches, loss_fn=model.loss, scale_grads=True)
 
     def tie_the_embeddings(self, tied: bool) -> tuple[dist.ProcessGroup | None, list]:
         """The group of the first and the last stage of this row, and the copies of the tied
         matrix this rank holds. Every rank creates every row's group (new_group is collective)."""
         if not tied:
             return None, []
-        across = self.mesh["dp"].size() * self.mesh["tp"].size()  # ranks of one stage
-        last = (self.cfg.degree - 1) * across
-        groups = [dist.new_group([r, last + r]) for r in range(across)]
+        last = (self.cfg.degree - 1) * self.across
+        groups = [dist.new_group([r, last + r]) for r in range(self.across)]
         mine = groups[self.row[0]] if self.has_first or self.has_last else None
         copies = [s.wte.weight for s in self.stages if s.wte is not None]
         copies += [s.lm_head.weight for s in self.stages if s.lm_head is not None]
@@ -194,143 +105,48 @@ class PipelineStrategy(Single):
     def has_last(self) -> bool:
         return self.ids[-1] == self.cfg.stages - 1
 
-    # ---------------------------------------------------------------- the step
-    def train_step(
-        self, batches: Iterator[Batch], n_micro: int
-    ) -> tuple[torch.Tensor | None, bool]:
+    def step(self, batches: Iterator[tuple]) -> torch.Tensor | None:
+        """Every microbatch's forward and backward through the row; the step's mean loss on the
+        last stage, None on the others. The micro-batches are put together, then the schedule
+        cuts them into its microbatches."""
         x, y = (torch.cat(parts) for parts in zip(*batches))  # (n_micro * B, T) each
-        check_microbatches(x.size(0), self.cfg.microbatches)  # again: a resume may change n_micro
+        check_microbatches(x.size(0), self.cfg.microbatches)  # a resume may change n_micro
         losses: list[torch.Tensor] = []
-        with self.precision_context():
-            self.schedule.step(*self.inputs(x), target=y if self.has_last else None, losses=losses)
-        self.last_norm = self.clip_and_step()
+        inputs = (x,) if self.has_first else ()  # token ids on the first stage, nothing after
+        self.schedule.step(*inputs, target=y if self.has_last else None, losses=losses)
         if not losses:
-            return None, True  # not the last stage: no loss here
-        return torch.stack(losses).detach().mean(), True  # equal microbatches: the batch's mean
+            return None  # not the last stage: no loss here
+        return torch.stack(losses).detach().mean()  # equal microbatches: the batch's mean
 
-    def inputs(self, x: torch.Tensor) -> tuple:
-        """What this rank hands the schedule: the token ids on the first stage, nothing after."""
-        return (x,) if self.has_first else ()
-
-    def clip(self, max_norm: float) -> torch.Tensor:
-        """Sum the tied matrix's two gradients, then clip by the norm over the whole pipeline
-        (Single.clip_and_step steps the optimizers after)."""
+    def norm_params(self) -> list:
+        """The parameters the global norm counts, after summing the tied matrix's two gradients:
+        the tied matrix once (on the first stage), as in the whole model."""
         if self.tie_group is not None:
             for p in self.tied:
                 grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                 dist.all_reduce(grad, group=self.tie_group)
-        params = [p for stage in self.stages for p in stage.parameters() if p.grad is not None]
-        # The tied matrix counts once in the norm (on the first stage), as in the whole model.
         twice = self.stages[-1].lm_head.weight if self.tied and self.has_last else None
-        across = self.mesh["dp"].size() * self.mesh["tp"].size()  # the ranks of one stage
-        norm = global_norm([p for p in params if p is not twice], plain_copies=across)
-        clip_by(params, max_norm, norm)
-        return norm
+        return [p for s in self.stages for p in s.parameters() if p is not twice]
 
-    # -------------------------------------------------------------- evaluation
-    @torch.no_grad()
-    def evaluate(self, batches: Iterator[Batch]) -> float:
-        """The mean loss over the batches: a plain forward through the row's stages (any batch
-        shape; the schedule's microbatches are fixed at their training shape), the last stage's
-        loss averaged over the replicas."""
-        for stage in self.stages:
-            stage.eval()  # no dropout
-        total = torch.zeros(2, device=self.device)  # (summed loss, batches)
-        for x, y in batches:
-            with self.precision_context():
-                logits = forward_through(self.stages, self.ids, self.row, x, self.cfg.stages)
-            if logits is not None:
-                total += torch.stack(
-                    [self.model.loss(logits, y), torch.ones((), device=self.device)]
-                )
-        for stage in self.stages:
-            stage.train()
-        loss_sum, count = self.control.sum(total).tolist()
-        return loss_sum / count
+    def loss_of(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """Collective over the row: the loss of one batch by a plain forward through the stages
+        (any batch shape; the schedule's microbatches are fixed at their training shape), on the
+        last stage; None elsewhere."""
+        logits = forward_through(self.stages, self.ids, self.row, x, self.cfg.stages)
+        return None if logits is None else self.stages[-1].loss(logits, y)
 
-    def sampling_model(self) -> nn.Module | None:
-        """Collective: the whole model put together on rank 0 from every stage of replica 0
-        (a moment's copy of all parameters, for the eval line's sample); None on other ranks."""
-        pieces, first = {}, self.dp_rank == 0 and self.tp_rank == 0
+    def whole_state(self, standard) -> dict | None:
+        """Collective: the whole model's state dict on rank 0 (every stage of the first row, whole
+        tensors; standard: puts the QKV rows in their order), None elsewhere."""
+        pieces = {}
         for stage in self.stages:  # full tensors are gathered over dp and tp: all take part
             full = get_model_state_dict(stage, options=StateDictOptions(full_state_dict=True))
-            full = self.standard(full)
-            pieces.update({k: v.cpu() for k, v in full.items()} if first else {})
-        gathered = [None] * self.ctx.world_size if self.ctx.is_main else None
+            full = standard(full)
+            pieces.update({k: v.cpu() for k, v in full.items()} if self.first_of_row else {})
+        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(pieces, gathered, dst=0)
-        if not self.ctx.is_main:
-            return None
-        return assemble(
-            self.model, {k: v for part in gathered for k, v in part.items()}, self.device
-        )
+        return {k: v for part in gathered for k, v in part.items()} if gathered else None
 
-    # ------------------------------------------------------------- in words
-    def describe(self) -> tuple[str, str]:
-        cfg, dp, tp = self.cfg, self.mesh["dp"].size(), self.mesh["tp"].size()
-        mode = (
-            f"pipeline {cfg.stages} stages ({cfg.schedule}, {cfg.microbatches} microbatches)"
-            f"{f' x tensor parallel {tp}' if tp > 1 else ''} x "
-            f"{dp} replica{'s' if dp > 1 else ''} ({self.plan.parallel})"
-        )
-        return mode + self.checkpointing_words(), self.precision()
-
-    def checkpointing_words(self) -> str:
-        blocks = sum(len(stage.blocks) for stage in self.stages)
-        return checkpointing_words(self.checkpointed, blocks).replace(" blocks)", " blocks here)")
-
-    def set_attention_fp32(self, fp32: bool) -> None:
-        self.attention_fp32 = fp32
-        for stage in self.stages:
-            for block in stage.blocks.children():
-                block.attn.fp32_under_autocast = fp32
-
-    def autocasts(self) -> bool:
-        return self.plan.use_amp and self.plan.parallel != "fsdp"  # FSDP casts the parameters
-
-    # ----------------------------------------------------------- snapshots
-    def snapshot_meta(self) -> dict:
+    def describe(self) -> str:
         cfg = self.cfg
-        pipeline = {"degree": cfg.degree, "stages": cfg.stages, "schedule": cfg.schedule}
-        return {**super().snapshot_meta(), "pipeline": pipeline}
-
-    def check_snapshot(self, snapshot, where: str) -> None:
-        if snapshot.layout is not PIPELINE_FILES:
-            raise SnapshotMismatch(
-                f"{where} was written without a pipeline; a pipeline resumes only a pipeline's "
-                "snapshots: launch it without pipeline_config.degree, or start a new "
-                "trainer_config.run_dir"
-            )
-
-    def tensor_state(self) -> dict:
-        """Every stage's model and optimizer state, keyed by the whole model's names."""
-        model, optim = {}, {}
-        for stage, optimizers in zip(self.stages, self.stage_optimizers):
-            stage_model, stage_optim = get_state_dict(stage, optimizers, options=FLAT)
-            model.update(self.standard(stage_model))
-            optim.update(self.standard(stage_optim))
-        return {"model": model, "optimizer": optim}
-
-    def standard(self, state: dict) -> dict:
-        """With tensor-parallel stages, the QKV rows whole and back in the standard order
-        (tensor.standard_order: a gather); without, state as it is."""
-        return standard_order(state, self.order) if self.mesh["tp"].size() > 1 else state
-
-    def read_tensors(self, snapshot) -> dict:
-        return snapshot.tensors(into=self.tensor_state())  # DCP reads the keys this rank holds
-
-    def load_tensor_state(self, state: dict) -> None:
-        for stage, optimizers in zip(self.stages, self.stage_optimizers):
-            model, optim = get_state_dict(stage, optimizers, options=FLAT)
-            wholes = (state["model"], state["optimizer"])
-            mine = [{k: whole[k] for k in d} for whole, d in zip(wholes, (model, optim))]
-            with own_kernels(optimizers):
-                set_state_dict(
-                    stage,
-                    optimizers,
-                    model_state_dict=to_layout(mine[0], model, self.order),
-                    optim_state_dict=to_layout(mine[1], optim, self.order),
-                    options=FLAT,
-                )
-
-    def write_files(self, stage: str) -> str:
-        return write_dcp(self.tensor_state(), stage)
+        return f"pipeline {cfg.stages} stages ({cfg.schedule}, {cfg.microbatches} microbatches)"

@@ -1,23 +1,28 @@
 """The run's parallelism and precision settings (Plan), and the precision facts of this device.
 
-The modes themselves are one module each (single.py, ddp.py, fsdp.py, deepspeed.py; their
-contract is strategy.py). What they share is decided here: whether mixed precision pays on this
-device ("auto"), whether it multiplies bf16 in hardware, TF32 on NVIDIA GPUs, the GradScaler fp16
-needs (bf16 has fp32's range and needs none), and how many bytes a rank holds of a set of tensors.
+The parallelisms themselves are one module each (ddp.py, fsdp.py, tensor.py, context.py,
+pipeline.py, composed by parallelize.py on the grid of mesh.py; deepspeed.py, horovod.py and
+replica_groups.py bring engines of their own). What they share is decided here: whether mixed
+precision pays on this device ("auto"), whether it multiplies bf16 in hardware, TF32 on NVIDIA
+GPUs, the GradScaler fp16 needs (bf16 has fp32's range and needs none), and how many bytes a rank
+holds of a set of tensors.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from mingpt_ddp.config.context import ContextConfig
+from mingpt_ddp.config.mesh import MeshConfig, model_degrees
 from mingpt_ddp.config.pipeline import PipelineConfig
 from mingpt_ddp.config.replica_groups import TorchftConfig
 from mingpt_ddp.config.tensor import TensorConfig
 from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.parallel.mesh import ParallelDims
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -40,20 +45,26 @@ class Plan:
     tensor: TensorConfig = field(default_factory=TensorConfig)  # degree 1: no tensor parallel
     context: ContextConfig = field(default_factory=ContextConfig)  # degree 1: no context parallel
     torchft: TorchftConfig = field(default_factory=TorchftConfig)  # groups 0: no replica groups
+    mesh: MeshConfig = field(default_factory=MeshConfig)  # the degrees (tp, cp, pp as above)
 
     @classmethod
-    def of(
-        cls,
-        c,
-        device: torch.device,
-        pipeline: PipelineConfig | None = None,
-        tensor: TensorConfig | None = None,
-        context: ContextConfig | None = None,
-        torchft: TorchftConfig | None = None,
-    ) -> Plan:
-        """The plan a TrainerConfig (and the pipeline, tensor and context sections) describe on
-        this device ("auto" precision decided here)."""
+    def of(cls, c, device: torch.device, **sections) -> Plan:
+        """The plan a TrainerConfig and the sections of the parallelisms (pipeline, tensor,
+        context, torchft, mesh) describe on this device ("auto" precision decided here). The
+        degrees are mesh_config's, or their old keys' (tensor_config.degree...): each section
+        is given its degree, so its own checks see it."""
         use_amp, amp_dtype, _ = choose_precision(c.use_amp, c.amp_dtype, device)
+        mesh = sections.get("mesh") or MeshConfig()
+        pipeline = sections.get("pipeline") or PipelineConfig()
+        tensor = sections.get("tensor") or TensorConfig()
+        context = sections.get("context") or ContextConfig()
+        aliases = {"tp": tensor.degree, "cp": context.degree, "pp": pipeline.degree}
+        degrees = model_degrees(mesh, aliases)
+        if tensor.sequence_parallel and degrees["tp"] == 1:
+            raise ConfigError(
+                "tensor_config.sequence_parallel=true splits the sequence between the ranks of "
+                "tensor parallelism: set mesh_config.tp to 2 or more"
+            )
         return cls(
             c.parallel,
             c.grad_reduce,
@@ -64,44 +75,21 @@ class Plan:
             c.compile,
             c.tf32,
             c.activation_checkpointing,
-            pipeline or PipelineConfig(),
-            tensor or TensorConfig(),
-            context or ContextConfig(),
-            torchft or TorchftConfig(),
+            dataclasses.replace(pipeline, degree=degrees["pp"]),  # runs its checks again
+            dataclasses.replace(tensor, degree=degrees["tp"]),
+            dataclasses.replace(context, degree=degrees["cp"]),
+            sections.get("torchft") or TorchftConfig(),
+            mesh,
         )
 
     def degrees(self) -> dict[str, int]:
-        """The model-parallel degrees, outermost first (dp, the rest of the world, goes after pp):
-        the mesh's dimensions are pp, dp, cp, tp, so a tensor-parallel group is the closest ranks
-        (on one node, where the links are fastest: TP talks in every layer)."""
-        return {"pp": self.pipeline.degree, "cp": self.context.degree, "tp": self.tensor.degree}
+        """The model-parallel degrees: {"tp", "cp", "pp"}."""
+        return {"tp": self.tensor.degree, "cp": self.context.degree, "pp": self.pipeline.degree}
 
-
-def mesh_shape(world_size: int, plan: Plan) -> dict[str, int]:
-    """{"pp", "dp", "cp", "tp"}: how many ranks along each dimension of the run's mesh; dp is what
-    the model-parallel degrees leave of the world."""
-    degrees = plan.degrees()
-    split = degrees["pp"] * degrees["cp"] * degrees["tp"]
-    if world_size % split:
-        named = " x ".join(f"{k}={v}" for k, v in degrees.items() if v > 1)
-        raise ConfigError(
-            f"the model-parallel degrees ({named} = {split} ranks) must divide the world size "
-            f"{world_size}; launch a multiple of {split} processes or change the degrees"
-        )
-    return {
-        "pp": degrees["pp"],
-        "dp": world_size // split,
-        "cp": degrees["cp"],
-        "tp": degrees["tp"],
-    }
-
-
-def coordinates(rank: int, shape: dict[str, int]) -> dict[str, int]:
-    """This rank's index along each mesh dimension (row-major: tp varies fastest)."""
-    found = {}
-    for name in reversed(list(shape)):
-        rank, found[name] = divmod(rank, shape[name])
-    return {name: found[name] for name in shape}
+    def dims(self, world_size: int) -> ParallelDims:
+        """The grid of world_size ranks this plan asks for (refused in one line if it does not
+        fit)."""
+        return ParallelDims.of(world_size, self.degrees(), self.mesh, self.parallel)
 
 
 def replica(rank: int, world_size: int, plan: Plan) -> tuple[int, int]:
@@ -110,8 +98,16 @@ def replica(rank: int, world_size: int, plan: Plan) -> tuple[int, int]:
     windows; with data parallelism alone every rank is a replica of its own."""
     if plan.torchft.groups:  # torchft: each replica group is a job (of one process) of its own
         return plan.torchft.group, plan.torchft.groups
-    shape = mesh_shape(world_size, plan)
-    return coordinates(rank, shape)["dp"], shape["dp"]
+    dims = plan.dims(world_size)
+    return dims.coordinates(rank)["dp"], dims.dp
+
+
+def dropout_streams(plan: Plan, world_size: int) -> list[int]:
+    """Each rank's dropout stream (seed + stream): a tensor-parallel group's ranks (tp: the
+    innermost dimension) hold the same activations and share one, but not under sequence
+    parallelism (dropout on a rank's own positions)."""
+    tp = 1 if plan.tensor.sequence_parallel else plan.tensor.degree
+    return [r // tp for r in range(world_size)]
 
 
 def choose_precision(

@@ -33,8 +33,8 @@ import torch
 import torch.nn as nn
 
 from mingpt_ddp.errors import ConfigError
-from mingpt_ddp.parallel.single import Single, check_no_foreign_options
-from mingpt_ddp.parallel.strategy import StrategyArgs
+from mingpt_ddp.parallel.grid import GridStrategy
+from mingpt_ddp.parallel.strategy import StrategyArgs, check_no_foreign_options
 from mingpt_ddp.runtime.distributed import print0
 
 
@@ -51,7 +51,7 @@ def import_torchft():
     return torchft, PGTransport
 
 
-class ReplicaGroupStrategy(Single):
+class ReplicaGroupStrategy(GridStrategy):
     """One process of one replica group: the local step of single.py, the gradients averaged over
     the groups of this step's quorum, the update applied only when the quorum commits."""
 
@@ -75,7 +75,7 @@ class ReplicaGroupStrategy(Single):
             hostname=cfg.hostname or socket.gethostname(),
             checkpoint_transport=PGTransport(pg, timeout=timeout, device=self.device),
         )
-        self.committed, self.healed, self.joined = True, False, False
+        self.healed, self.joined = False, False
 
     @classmethod
     def check(cls, args: StrategyArgs) -> None:
@@ -91,6 +91,11 @@ class ReplicaGroupStrategy(Single):
                 f"parallel={plan.parallel}: set trainer_config.parallel=ddp"
             )
         check_no_foreign_options(plan)
+        if any(degree > 1 for degree in plan.degrees().values()):
+            raise ConfigError(
+                "torchft_config.groups > 0 runs each replica group as one process: set "
+                "mesh_config.tp, cp and pp to 1"
+            )
         if plan.use_amp and plan.amp_dtype == "fp16":
             raise ConfigError(
                 "fp16 under torchft would need GradScaler's skipped steps in the quorum's commit "
@@ -98,7 +103,7 @@ class ReplicaGroupStrategy(Single):
             )
 
     # ------------------------------------------------------------ the step
-    def begin_step(self, step: int) -> int | None:
+    def begin_step(self, step: int, n_micro: int) -> int | None:
         """Join this step's quorum (healing first if this group is behind); returns the step a
         heal moved the group to, None if it stays. Once per step: the Trainer joins before it
         resumes (Trainer.start), and the first step then trains in that same quorum, as the
@@ -128,28 +133,23 @@ class ReplicaGroupStrategy(Single):
             "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
         }
 
-    def train_step(self, batches, n_micro: int) -> tuple[torch.Tensor | None, bool]:
-        loss, _ = super().train_step(batches, n_micro)
-        return loss, self.committed
-
-    def clip_and_step(self) -> torch.Tensor:
-        """Average the gradients over the quorum's groups (one all-reduce of one flat buffer),
-        then clip and step only if every group's all-reduce went through."""
+    def reduce_gradients(self) -> bool:
+        """The gradients averaged over the groups of this step's quorum (one flat all-reduce);
+        whether every group's all-reduce went through (else nobody applies the step)."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         flat = torch.cat([g.flatten() for g in grads])  # (all gradient elements,)
         self.manager.allreduce(flat).wait()  # the mean over the groups that are there
         for grad, mean in zip(grads, flat.split([g.numel() for g in grads])):
             grad.copy_(mean.view_as(grad))
-        self.committed, self.joined = self.manager.should_commit(), False  # the step's quorum ends
-        if not self.committed:  # a group failed mid-step: nobody applies it
+        committed, self.joined = self.manager.should_commit(), False  # the step's quorum ends
+        if not committed:  # a group failed mid-step: nobody applies it
             print0(
                 f"torchft | step {self.manager.current_step() + 1} not committed by the quorum "
                 "(a group failed during it): nothing applied, the step is trained again"
             )
             for optimizer in self.optimizers:
                 optimizer.zero_grad(set_to_none=True)
-            return self.last_norm
-        return super().clip_and_step()
+        return committed
 
     def evaluation_share(self, replica: int, replicas: int) -> tuple[int, int]:
         """Every group evaluates all the validation windows: the groups' losses agree, and one

@@ -1,11 +1,11 @@
 """Cutting the GPT into pipeline stages, and where each stage and each replica lives.
 
-The ranks form a grid with named dimensions, a DeviceMesh ("pp", "dp", "tp") (torchtitan's order:
-pp outermost): global rank = (pp_rank * dp + dp_rank) * tp + tp_rank. A *row* (one dp_rank and
-tp_rank, every pp_rank) is one whole pipeline, one replica of the model (or its tp_rank's share
-of one); a *column* (one pp_rank) holds the same stage in every replica and averages its gradients
-over DDP or FSDP. With tensor parallelism (tp > 1) each stage's blocks are split over its tp
-ranks (tensor.py). With 4 ranks, 2 stages x 2 replicas (tp 1):
+The pipeline is the outermost dimension of the grid (mesh.py): global rank = pp_rank x (the ranks
+of one stage) + the rank's place among them. A *row* (every pp_rank, the same place otherwise) is
+one whole pipeline, one replica of the model (or its tp and cp ranks' share of one); a *column*
+(one pp_rank) holds the same stage in every replica and goes through the same ladder as a whole
+model would (parallelize.py: its tp, cp and data-parallel ranks). With 4 ranks, 2 stages x 2
+replicas:
 
     stage 0: ranks 0, 1   (replica 0, replica 1)
     stage 1: ranks 2, 3
@@ -28,13 +28,10 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.pipelining import PipelineStage
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mingpt_ddp.errors import ConfigError
-from mingpt_ddp.parallel.fsdp import DCP_FILES
-from mingpt_ddp.snapshots.layout import FileLayout
 
 
 def block_ranges(n_layer: int, stages: int) -> list[range]:
@@ -92,7 +89,8 @@ def forward_through(
 
 
 class Stage(PipelineStage):
-    """torch's PipelineStage, its first-step shape inference kept away from DDP's gradient sync.
+    """torch's PipelineStage, its first-step shape inference kept away from DDP's gradient sync
+    and from context parallelism's ring.
 
     On its first step the stage runs its module once on meta tensors to learn the shapes it will
     send (_forward_metadata_inference, torch 2.13), with gradients on and outside DDP's no_sync.
@@ -101,39 +99,24 @@ class Stage(PipelineStage):
     bucket rebuild; the last microbatch records them again. 1F1B survives it (the rebuild comes
     between, the extra average is harmless arithmetic), but under GPipe the next step's first
     forward fails DDP's check ("rebuilt parameter indices size is not same as original model
-    parameters size ... 26 versus 52"). Run under no_sync, the inference arms nothing."""
+    parameters size ... 26 versus 52"). Run under no_sync, the inference arms nothing. The ring
+    is off for it too: meta tensors cannot travel, and the local kernel gives the same shapes."""
+
+    def __init__(self, *args, ring=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ring = ring
 
     def _forward_metadata_inference(self, *args, **kwargs):
         quiet = self.submod.no_sync() if isinstance(self.submod, DDP) else nullcontext()
-        with quiet:
-            return super()._forward_metadata_inference(*args, **kwargs)
-
-
-# Optimizer state keyed per parameter ("state.<name>.exp_avg", "param_groups.<name>.lr"), not by
-# position in one param_groups list: each stage holds other parameters, so positional groups from
-# different stages would collide in one DCP snapshot; per name they fit together and reshard.
-FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-def _refusal(meta: dict) -> str:
-    degree = meta["pipeline"]["degree"]
-    return (
-        f"was written by a pipeline of {degree} stages in a row; resume it with "
-        "pipeline_config.degree > 1 (any degree that divides the world size), or start a new "
-        "trainer_config.run_dir"
-    )
-
-
-# DCP files like FSDP's, with every key a name of the whole model, so any pipeline layout
-# (another degree, schedule or number of replicas) reads what it holds; other modes refuse them.
-PIPELINE_FILES = FileLayout(
-    kind="pipeline",
-    extension="pipeline",
-    file_names=DCP_FILES.file_names,
-    full_tensors=DCP_FILES.full_tensors,
-    load_into=DCP_FILES.load_into,
-    refusal=_refusal,
-)
+        active = self.ring is not None and self.ring.active
+        if active:
+            self.ring.active = False
+        try:
+            with quiet:
+                return super()._forward_metadata_inference(*args, **kwargs)
+        finally:
+            if active:
+                self.ring.active = True
 
 
 def check_microbatches(windows: int, microbatches: int) -> None:

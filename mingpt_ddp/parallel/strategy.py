@@ -1,64 +1,50 @@
-"""The contract between the Trainer and a parallel mode (trainer_config.parallel).
+"""The contract between the Trainer and the parallelism (trainer_config.parallel, mesh_config).
 
-The Trainer owns the loop: the data order, the learning-rate schedule, when to evaluate, log and
-snapshot, and stop signals. A Strategy owns everything that depends on how the model is spread
-over the ranks: wrapping it, the optimizer and its whole step, evaluation's forward passes, the
-words that describe it, and how its state is written and read. The Trainer and the snapshot
-protocol call only the methods below and never ask which mode runs, so a new mode is one new
-module beside single.py, ddp.py, fsdp.py, deepspeed.py and horovod.py, named in registry.py.
+The Trainer owns the loop and the step: the data order, the learning-rate schedule, the
+micro-batch loop, backward, clipping and the optimizer step, when to evaluate, log and snapshot,
+and stop signals. A Strategy owns everything that depends on how the model is spread over the
+ranks: the grid and the ladder that wrapped the model (grid.py: every torch-native layout), the
+optimizers, evaluation's forward passes, the words that describe it, and its state as plain dicts.
+The Trainer and the snapshot protocol call only what is below and never ask which layout runs.
 
-The contract, as the Trainer relies on it:
+What the Trainer's step uses:
 
-    Strategy.check(args)              refuse settings the mode does not run (ConfigError naming
-                                      the one to change), before anything is built
-    strategy.model                    the plain nn.Module (for sampling text; its parameters may be
-                                      shards, so with forward_on_all_ranks every rank samples)
-    strategy.optimizers               the torch optimizers whose param_groups["lr"] the Trainer sets
-    strategy.begin_step(step)         before a step draws its data: None, or the step this rank
+    strategy.optimizers               the torch optimizers (the Trainer sets their lr every step)
+    strategy.scaler                   fp16's GradScaler (disabled otherwise: its calls do nothing)
+    strategy.train_model              what training calls: (x, y) -> (logits, loss)
+    strategy.pipeline                 None, or the pipeline whose schedule runs forward + backward
+    strategy.local(batch)             this rank's part of a (x, y) batch (context parallelism)
+    strategy.forward_context()        autocast, and context parallelism's ring, for forwards
+    strategy.gradient_sync(last)      gradients reduced on the last micro-step only
+    strategy.reduce_gradients()       engines that reduce after backward (Horovod, torchft);
+                                      False: the step is not applied (torchft's quorum said no)
+    strategy.clip(max_norm)           clip by the global norm over the grid; returns it
+    strategy.begin_step(step, n)      before a step draws its data: None, or the step this rank
                                       moved to (torchft: healed from a live peer)
-    strategy.train_step(batches, n)   one whole optimizer step over n micro-batches (an iterator
-                                      of (x, y), each (B, T)): forward, backward, gradient
-                                      reduction, global clipping, update. Returns (loss, committed):
-                                      the step's mean loss on this rank (a device tensor, not
-                                      synchronised) or None where this rank computed none, and
-                                      whether the step was applied (the Trainer counts only those)
-    strategy.evaluation_share(r, n)   which share of the validation windows this rank evaluates
+    strategy.own_step                 None, or an engine's whole step (DeepSpeed):
+                                      (batches, n) -> (loss, applied)
+
+And the rest of the run:
+
+    strategy.model                    the plain nn.Module (its parameters may be shards)
     strategy.evaluate(batches)        the mean loss over those batches, averaged over the ranks
+    strategy.evaluation_share(r, n)   which share of the validation windows this rank evaluates
     strategy.sampling_model()         the module to generate text with (None: not on this rank)
+    strategy.forward_on_all_ranks     every rank must take part in every forward (sampling too)
     strategy.grad_norm()              the last step's global gradient norm, before clipping
-    strategy.describe()               (mode, precision): the words of the start-up line
+    strategy.describe()               (layout, precision): the words of the start-up line
     strategy.optimizer_state_bytes()  what this rank holds of the optimizer state
-    strategy.layout                   None: one file, written by rank 0 from tensor_state();
-                                      else a FileLayout: every rank writes write_files(stage)
-    strategy.snapshot_meta()          what a snapshot must record of the mode (partitioning)
-    strategy.check_snapshot(s, where) refuse a snapshot this mode cannot resume (SnapshotMismatch)
-    strategy.tensor_state()           {"model", "optimizer"} keyed by parameter name
+    strategy.files                    None: one file, written by rank 0 from tensor_state();
+                                      else the kind of files every rank writes (write_files)
+    strategy.snapshot_meta()          what a snapshot must record besides tensors (loss scale)
+    strategy.check_snapshot(s, where) refuse a snapshot this layout cannot resume
+    strategy.tensor_state()           {"model", "optimizer"} keyed by the whole model's names
     strategy.read_tensors(snapshot)   those tensors from an open snapshot, laid out for this run
     strategy.load_tensor_state(state) put them into the model and optimizers
 
-The control-plane collectives (the vote, gathers, means) come in StrategyArgs.control: a mode
-with its own ranks and transport could bring its own ControlPlane.
-
-How the modes beyond data parallelism fit this contract:
-
-- Pipeline parallelism (pipeline.py): only the last stage computes a loss,
-  so train_step returns (None, True) on the other stages and the Trainer averages the losses that
-  exist; evaluate forwards through the stages and sums over the ranks that have a loss; clipping
-  sums each stage's squared norm over the pipeline; sampling_model puts the whole model together
-  on rank 0; the data share is the replica's, not the rank's (plan.replica).
-- Tensor parallelism (tensor.py): every rank of a group takes part in every forward
-  (forward_on_all_ranks); clipping sums each rank's squares over the world, each value counted
-  once; the QKV rows are put back in the standard order for snapshots and sampling_model.
-- Context parallelism (context.py): train_step and evaluate cut each batch to this rank's chunks
-  of every window, with their positions ((x, y, positions) reach the model), and switch the
-  model's attention kernel to the ring (ring.py) around them.
-- torchft (replica_groups.py): begin_step joins the step's quorum and heals a group that is
-  behind from a live peer; train_step asks the manager whether the step may commit after the
-  gradients are averaged across replica groups; a rejected step returns (loss, False) and is not
-  counted.
-- Horovod (horovod.py): horovodrun's ranks become torchrun's variables before the process group
-  is joined (runtime/horovodrun.py), so the control plane is the usual gloo group; the gradients
-  go through hvd.DistributedOptimizer, which wraps the optimizers inside the strategy.
+The snapshot code never imports this package, nor this package the snapshot code: they meet in
+these plain dicts and in the open snapshot the protocol hands over (its .meta, .kind, .layout and
+.tensors(into=...)).
 """
 
 from __future__ import annotations
@@ -72,12 +58,10 @@ import torch.nn as nn
 
 from mingpt_ddp.config.deepspeed import DeepSpeedConfig
 from mingpt_ddp.config.optimizer import OptimizerConfig
-from mingpt_ddp.errors import SnapshotMismatch
+from mingpt_ddp.errors import ConfigError, SnapshotMismatch
 from mingpt_ddp.parallel.checkpointing import checkpointing_words
 from mingpt_ddp.parallel.plan import Plan, bf16_native, tf32_matmuls
 from mingpt_ddp.runtime.distributed import ControlPlane, DistContext
-from mingpt_ddp.snapshots.files import OpenSnapshot
-from mingpt_ddp.snapshots.layout import FileLayout
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # inputs and targets, (B, T) each
 
@@ -112,35 +96,52 @@ def assemble(like: nn.Module, state: dict, device: torch.device) -> nn.Module:
 
 
 class Strategy:
-    """The base of every parallel mode: the contract above, and what most modes share."""
+    """The base of every parallel layout: the contract above, and what most layouts share."""
 
-    layout: FileLayout | None = None
-    """How its snapshots are written: None, one file by rank 0; else every rank writes its files."""
+    files: str | None = None
+    """Its snapshots: None, one file by rank 0; else the kind every rank writes files of."""
     forward_on_all_ranks: bool = False
     """Every rank must run every forward (each holds only part of the parameters)."""
     amp_words: str = "{dtype} autocast"
-    """How mixed precision works in this mode, in words, for the start-up line."""
+    """How mixed precision works in this layout, in words, for the start-up line."""
     checkpointed: int = 0
-    """How many blocks the mode put under activation checkpointing as it wrapped the model."""
+    """How many blocks went under activation checkpointing as the model was wrapped."""
+    pipeline = None
+    """The pipeline whose schedule runs each step's forwards and backwards (pipeline.py)."""
+    own_step = None
+    """An engine's whole step, (batches, n) -> (loss, applied), in place of the Trainer's."""
 
     def __init__(self, model: nn.Module, args: StrategyArgs):
         self.model, self.args = model, args
         self.plan, self.ctx, self.control = args.plan, args.ctx, args.control
         self.device = args.ctx.device
         self.optimizers: list[torch.optim.Optimizer] = []
+        self.train_model = model
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=False)
 
     @classmethod
     def check(cls, args: StrategyArgs) -> None:
-        """Refuse settings this mode does not run (ConfigError, naming the setting to change)."""
+        """Refuse settings this layout does not run (ConfigError, naming the setting to change)."""
 
     # -------------------------------------------------------------- the step
-    def begin_step(self, step: int) -> int | None:
-        """Called before each step draws its data: the step this rank moved to, if it moved."""
+    def begin_step(self, step: int, n_micro: int) -> int | None:
+        """Called before each step (of n_micro micro-steps) draws its data: the step this rank
+        moved to, if it moved."""
         return None
 
-    def train_step(
-        self, batches: Iterator[Batch], n_micro: int
-    ) -> tuple[torch.Tensor | None, bool]:
+    def local(self, batch: Batch) -> tuple:
+        return batch
+
+    def forward_context(self) -> AbstractContextManager:
+        return nullcontext()
+
+    def gradient_sync(self, sync: bool) -> AbstractContextManager:
+        return nullcontext()
+
+    def reduce_gradients(self) -> bool:
+        return True
+
+    def clip(self, max_norm: float) -> torch.Tensor:
         raise NotImplementedError
 
     @torch.no_grad()
@@ -149,10 +150,10 @@ class Strategy:
         # run).
         self.model.eval()
         total, n = torch.zeros((), device=self.device), 0
-        for batch in batches:  # (x, y), or with positions (context parallel)
-            with self.precision_context():
-                total += self.model(*batch)[1]
-            n += 1
+        with self.forward_context():
+            for batch in batches:
+                total += self.model(*self.local(batch))[1]
+                n += 1
         self.model.train()
         return self.control.mean(total / n).item()
 
@@ -163,20 +164,15 @@ class Strategy:
 
     def sampling_model(self) -> nn.Module | None:
         """The model to generate text with: the plain module (its parameters may be shards, under
-        forward_on_all_ranks every rank samples); None where this rank has none (a pipeline puts
-        the whole model together on rank 0)."""
+        forward_on_all_ranks every rank samples); None where this rank has none."""
         return self.model
-
-    def precision_context(self) -> AbstractContextManager:
-        """The forward pass's precision context (none: the mode casts the parameters itself)."""
-        return nullcontext()
 
     def grad_norm(self) -> float:
         raise NotImplementedError
 
     # ------------------------------------------------------------- in words
     def describe(self) -> tuple[str, str]:
-        """(mode, precision) in words: what the start-up line says of this run."""
+        """(layout, precision) in words: what the start-up line says of this run."""
         return self.plan.parallel + self.checkpointing_words(), self.precision()
 
     def checkpointing_words(self) -> str:
@@ -190,44 +186,54 @@ class Strategy:
         words = self.amp_words.format(dtype=plan.amp_dtype)
         if plan.amp_dtype == "bf16":  # whether the hardware has bf16 units decides if bf16 pays off
             words += f" ({bf16_native(self.device)[1]})" + self.attention_words()
-        return words + (" + GradScaler" if self.scales_loss() else "")
+        return words + (" + GradScaler" if self.scaler.is_enabled() else "")
 
     def attention_words(self) -> str:
         return ""
-
-    def scales_loss(self) -> bool:
-        return False
 
     def optimizer_state_bytes(self) -> int:
         raise NotImplementedError
 
     # ----------------------------------------------------------- snapshots
     def snapshot_meta(self) -> dict:
-        """What a snapshot records of the mode besides tensors: fp16's loss scale ("scaler") and
-        DeepSpeed's partitioning ("deepspeed": None, any mode can resume it); keys of format 1
-        on."""
+        """What a snapshot records of the layout besides tensors: fp16's loss scale ("scaler") and
+        DeepSpeed's partitioning ("deepspeed": None, any layout can resume it)."""
         return {"scaler": {}, "deepspeed": None}
 
     def load_snapshot_meta(self, meta: dict) -> None:
         """Restore what snapshot_meta recorded (the loss scale)."""
 
-    def check_snapshot(self, snapshot: OpenSnapshot, where: str) -> None:
-        """Refuse a snapshot whose files only their own mode can read."""
+    def check_snapshot(self, snapshot, where: str) -> None:
+        """Refuse a snapshot whose files only their own engine can read (its layout's refusal)."""
         layout = snapshot.layout
-        if layout is not None and layout is not self.layout and layout.refusal is not None:
+        if layout is not None and snapshot.kind != self.files and layout.refusal is not None:
             raise SnapshotMismatch(f"{where} {layout.refusal(snapshot.meta)}")
 
     def tensor_state(self) -> dict:
         raise NotImplementedError
 
-    def read_tensors(self, snapshot: OpenSnapshot) -> dict:
-        """The snapshot's tensors for load_tensor_state ({} if the mode loads them itself)."""
+    def read_tensors(self, snapshot) -> dict:
+        """The snapshot's tensors for load_tensor_state ({} if the engine loads them itself)."""
         return snapshot.tensors()
 
     def load_tensor_state(self, state: dict) -> None:
         raise NotImplementedError
 
     def write_files(self, stage: str) -> str:
-        """Collective (modes with a layout): write this rank's files under stage; returns their
+        """Collective (layouts with files): write this rank's files under stage; returns their
         folder."""
         raise NotImplementedError
+
+
+def check_no_foreign_options(plan) -> None:
+    """Options of the grid's data parallelism (FSDP's CPU offload, DDP's star hook), set under an
+    engine where they would do nothing: refused, naming the layout they belong to."""
+    if plan.cpu_offload:
+        raise ConfigError(
+            "trainer_config.fsdp_cpu_offload=true keeps FSDP's shards in CPU memory instead "
+            "of GPU memory: it needs parallel=fsdp on GPUs; set fsdp_cpu_offload=false"
+        )
+    if plan.grad_reduce == "via_rank0":
+        raise ConfigError(
+            "trainer_config.grad_reduce=via_rank0 is a DDP communication hook; use parallel=ddp"
+        )

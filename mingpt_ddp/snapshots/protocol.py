@@ -27,7 +27,6 @@ from mingpt_ddp.config.schema import to_dict
 from mingpt_ddp.errors import SnapshotError, SnapshotMismatch
 from mingpt_ddp.runtime.distributed import ControlPlane, print0, warn0
 from mingpt_ddp.snapshots.files import OpenSnapshot
-from mingpt_ddp.snapshots.layout import FileLayout
 from mingpt_ddp.snapshots.lease import LeaseError
 from mingpt_ddp.snapshots.store import SnapshotStore
 
@@ -56,7 +55,7 @@ class Snapshottable(Protocol):
 class TensorFiles(Protocol):
     """How the tensors are laid out in a snapshot: the parallel strategy's part of the protocol."""
 
-    layout: FileLayout | None  # None: one file, written by rank 0; else every rank writes its files
+    files: str | None  # None: one file, written by rank 0; else the kind of files every rank writes
 
     def check_snapshot(self, snapshot: OpenSnapshot, where: str) -> None:
         """Refuse a snapshot of a partitioning this run cannot load (SnapshotMismatch)."""
@@ -216,15 +215,15 @@ class Snapshots:
         return stalled
 
     def _write(self, block: bool) -> float:
-        t0, step, layout = time.perf_counter(), self.state.step, self.tensors.layout
-        if layout is not None:  # every rank writes its own files (shards, partitions), in parallel
+        t0, step, kind = time.perf_counter(), self.state.step, self.tensors.files
+        if kind is not None:  # every rank writes its own files (shards, partitions), in parallel
             entry = self.store.save_files(
-                self.tensors.write_files, self.state.meta_state(), step, self.is_main, layout.kind
+                self.tensors.write_files, self.state.meta_state(), step, self.is_main, kind
             )
             if entry:
                 print0(
                     f"snapshot | step {step} | {entry['bytes'] / 1e6:.1f} MB "
-                    f"in {len(entry['files'])} files ({layout.kind}) | "
+                    f"in {len(entry['files'])} files ({kind}) | "
                     f"{time.perf_counter() - t0:.2f} s | "
                     f"{self.store.url}/{entry['file']}"
                 )

@@ -18,15 +18,9 @@ from mingpt_ddp.errors import SnapshotError
 from mingpt_ddp.runtime.distributed import warn0
 from mingpt_ddp.snapshots.files import OpenSnapshot, open_entry, serialize
 from mingpt_ddp.snapshots.layout import FileLayout
+from mingpt_ddp.snapshots.layouts import LAYOUTS
 from mingpt_ddp.snapshots.manifest import SNAPSHOT_RE, Manifest, newest_first
 from mingpt_ddp.snapshots.storage import open_storage
-
-
-def strategy_layouts() -> dict[str, FileLayout]:
-    """The multi-file layouts the parallel strategies declare (a store built without being told)."""
-    from mingpt_ddp.parallel.registry import file_layouts
-
-    return file_layouts()
 
 
 class SnapshotReader:
@@ -36,7 +30,7 @@ class SnapshotReader:
         self, url: str, s3_endpoint_url: str = "", layouts: dict[str, FileLayout] | None = None
     ):
         self.url = url
-        self.layouts = strategy_layouts() if layouts is None else layouts
+        self.layouts = LAYOUTS if layouts is None else layouts
         self.storage = open_storage(url, s3_endpoint_url)
         by_extension = {layout.extension: layout for layout in self.layouts.values()}
         self.manifest = Manifest(self.storage, url, by_extension)

@@ -5,7 +5,8 @@ write (all-or-nothing), read, delete, list, and a compare-and-swap pair for the
 small objects that must have one writer (the manifest and the lease):
 read_versioned returns an object with its version, write_if replaces it only if
 that version is still current. The same library reads what it wrote for every
-scheme: boto3 for s3://, fsspec for the others, plain files for paths.
+scheme: boto3 for s3://, fsspec for the others, plain files for paths (that routing, the S3
+client and S3's error codes are mingpt_ddp/urls.py's, shared with the corpus's sources).
 mingpt_ddp/snapshots/store.py builds manifests, checksums and retention on top of this.
 
 Names may come from a manifest someone else wrote (a shared or downloaded run), so
@@ -20,9 +21,10 @@ import io
 import os
 import shutil
 import uuid
-from urllib.parse import urlparse
 
 import fsspec
+
+from mingpt_ddp.urls import backend_of, s3_client, s3_error_code, split_s3_url
 
 
 def check_name(name: str) -> str:
@@ -141,21 +143,6 @@ class LocalStorage:
         )
 
 
-def s3_client(endpoint_url: str = ""):
-    """A boto3 S3 client (snapshots and s3:// corpora both use it): standard retries with backoff,
-    bounded connect/read timeouts, endpoint from the argument or the usual AWS sources."""
-    import boto3
-    from botocore.config import Config
-
-    return boto3.session.Session().client(
-        "s3",
-        endpoint_url=endpoint_url or None,
-        config=Config(
-            retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=10, read_timeout=120
-        ),
-    )
-
-
 class S3Storage:
     """s3://bucket/prefix through boto3; works with AWS and S3-compatible servers (MinIO, Ceph, R2).
 
@@ -169,8 +156,8 @@ class S3Storage:
     def __init__(self, url: str, endpoint_url: str = ""):
         from boto3.s3.transfer import TransferConfig
 
-        parsed = urlparse(url)
-        self.bucket, self.prefix = parsed.netloc, parsed.path.strip("/")
+        self.bucket, key = split_s3_url(url)
+        self.prefix = key.strip("/")
         self.client = s3_client(endpoint_url)
         self.transfer = TransferConfig(
             multipart_threshold=16 << 20, multipart_chunksize=16 << 20, max_concurrency=8
@@ -192,7 +179,7 @@ class S3Storage:
         try:
             self.client.download_fileobj(self.bucket, self._key(name), buf, Config=self.transfer)
         except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey"):
+            if s3_error_code(e) in ("404", "NoSuchKey"):
                 raise FileNotFoundError(f"s3://{self.bucket}/{self._key(name)}") from None
             raise
         return buf.getvalue()
@@ -204,7 +191,7 @@ class S3Storage:
         try:
             response = self.client.get_object(Bucket=self.bucket, Key=self._key(name))
         except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey"):
+            if s3_error_code(e) in ("404", "NoSuchKey"):
                 return None, None
             raise
         return response["Body"].read(), response["ETag"]
@@ -221,7 +208,7 @@ class S3Storage:
                 Bucket=self.bucket, Key=self._key(name), Body=data, **condition
             )["ETag"]
         except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in (
+            if s3_error_code(e) in (
                 "PreconditionFailed",
                 "ConditionalRequestConflict",
             ):
@@ -286,35 +273,12 @@ class FsspecStorage:
 Storage = LocalStorage | S3Storage | FsspecStorage
 
 
-def storage_hint(error: Exception, setting: str, otherwise: str) -> str:
-    """What to fix, for the storage errors people actually hit (setting: the config key naming the
-    URL)."""
-    text = f"{type(error).__name__}: {error}"
-    if (
-        "Credentials" in type(error).__name__
-        or "InvalidAccessKeyId" in text
-        or "SignatureDoesNotMatch" in text
-    ):
-        return (
-            "check the AWS credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE)"
-        )
-    if "NoSuchBucket" in text:
-        return f"create the bucket or fix the bucket name in {setting}"
-    if "EndpointConnection" in type(error).__name__ or "Connect" in type(error).__name__:
-        return (
-            "check trainer_config.s3_endpoint_url / AWS_ENDPOINT_URL "
-            "and that the server is reachable"
-        )
-    return otherwise
-
-
 def open_storage(url: str, s3_endpoint_url: str = "") -> Storage:
     """Plain paths and file:// are local, s3:// goes through boto3, everything else through
-    fsspec."""
-    if "://" not in url:
-        return LocalStorage(url)
-    if url.startswith("file://"):
-        return LocalStorage(url[len("file://") :])
-    if url.startswith("s3://"):
-        return S3Storage(url, s3_endpoint_url)
-    return FsspecStorage(url)
+    fsspec (urls.backend_of: the corpus reads URLs by the same rule)."""
+    kind, target = backend_of(url)
+    if kind == "local":
+        return LocalStorage(target)
+    if kind == "s3":
+        return S3Storage(target, s3_endpoint_url)
+    return FsspecStorage(target)

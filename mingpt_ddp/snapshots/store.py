@@ -59,7 +59,7 @@ from mingpt_ddp.snapshots.layout import META, FileLayout
 from mingpt_ddp.snapshots.lease import Lease, LeaseError
 from mingpt_ddp.snapshots.manifest import MANIFEST, snapshot_name  # noqa: F401 - MANIFEST: users'
 from mingpt_ddp.snapshots.reader import SnapshotReader
-from mingpt_ddp.snapshots.storage import storage_hint
+from mingpt_ddp.urls import storage_hint
 
 
 def _hint(error: Exception) -> str:
@@ -73,7 +73,7 @@ def _hint(error: Exception) -> str:
 class SnapshotStore(SnapshotReader):
     """Snapshots under one URL: committed atomically, one writer at a time, read back checked
     (SnapshotReader). layouts: the FileLayouts of the multi-file snapshots it may write and read,
-    by kind; by default those the parallel strategies declare (mingpt_ddp/parallel/registry.py)."""
+    by kind; by default every kind this version knows (layouts.py)."""
 
     def __init__(
         self,
