@@ -14,7 +14,7 @@ For each model, precision and setting, memory counted three ways and by the kern
   included) above where it rests after a warm-up step, the kernel's measure, independent of the
   count: with malloc unmapping every freed block over 64 KiB it agrees with the count's peak
   with gradients to within 2%;
-- ms/step: a whole step as main.py takes it (Single.train_step: forward, backward, clipping,
+- ms/step: a whole step as main.py takes it (trainer.step: forward, backward, clipping,
   AdamW), the median of every timed step, in rounds that take the settings in turn so that a
   machine whose speed drifts slows all of them alike.
 
@@ -51,12 +51,13 @@ from mingpt_ddp.config.data import DataConfig  # noqa: E402
 from mingpt_ddp.config.deepspeed import DeepSpeedConfig  # noqa: E402
 from mingpt_ddp.config.optimizer import OptimizerConfig  # noqa: E402
 from mingpt_ddp.config.trainer import TrainerConfig  # noqa: E402
+from mingpt_ddp.parallel.grid import GridStrategy  # noqa: E402
 from mingpt_ddp.parallel.plan import Plan, choose_precision  # noqa: E402
-from mingpt_ddp.parallel.single import Single  # noqa: E402
 from mingpt_ddp.parallel.strategy import StrategyArgs  # noqa: E402
 from mingpt_ddp.runtime.distributed import ControlPlane, DistContext  # noqa: E402
 from mingpt_ddp.runtime.host import keep_freed_cpu_memory  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+from trainer import step  # noqa: E402
 
 SETTINGS = ("none", "every-2", "full")
 VOCAB = 65  # tinyshakespeare's characters
@@ -132,7 +133,7 @@ def step_memory(model, x, y, precision=nullcontext) -> dict[str, int]:
 ATTENTION_FP32: dict[str, bool] = {}  # per model and precision: the first build's choice
 
 
-def build(case: dict, setting: str) -> tuple[Single, torch.Tensor, torch.Tensor]:
+def build(case: dict, setting: str) -> tuple[GridStrategy, torch.Tensor, torch.Tensor]:
     """The model of case, checkpointed by setting, in the strategy main.py runs on one process.
     Under bf16 autocast the strategy times attention in bf16 and fp32 and picks the faster; every
     setting of one case keeps the first build's pick, so that they compute alike."""
@@ -144,13 +145,18 @@ def build(case: dict, setting: str) -> tuple[Single, torch.Tensor, torch.Tensor]
     args = StrategyArgs(
         plan, ctx, OptimizerConfig(), case["batch"], 1, ControlPlane(), DeepSpeedConfig()
     )
-    strategy = Single(GPT(cfg), args)
+    strategy = GridStrategy(GPT(cfg), args)
     if strategy.attention_fp32 is not None:
         key = f"{case['model']} {case['precision']}"
         strategy.set_attention_fp32(ATTENTION_FP32.setdefault(key, strategy.attention_fp32))
     g = torch.Generator().manual_seed(1)
     x, y = (torch.randint(0, VOCAB, (case["batch"], case["block"]), generator=g) for _ in "xy")
     return strategy, x, y
+
+
+def train_step(strategy: GridStrategy, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One optimizer step on the batch (x, y), as the Trainer takes it (trainer.step)."""
+    step(strategy, iter([(x, y)]), 1, strategy.args.optim.grad_clip)
 
 
 def status_bytes(field: str) -> int:
@@ -164,12 +170,12 @@ def peak_rss_delta(case: dict, setting: str) -> int:
     warm-up step (bytes). The peak is reset first (Linux >= 4.0): a child inherits its parent's
     through fork."""
     strategy, x, y = build(case, setting)
-    strategy.train_step(iter([(x, y)]), 1)  # first-use set-up, AdamW's state
+    train_step(strategy, x, y)  # first-use set-up, AdamW's state
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := VmRSS
     before = status_bytes("VmRSS")
     for _ in range(3):
-        strategy.train_step(iter([(x, y)]), 1)
+        train_step(strategy, x, y)
     return status_bytes("VmHWM") - before
 
 
@@ -190,12 +196,12 @@ def time_steps(case: dict, rounds: int, steps: int, warmup: int) -> dict[str, fl
     times: dict[str, list[float]] = {s: [] for s in SETTINGS}
     for strategy, x, y in built.values():
         for _ in range(warmup):
-            strategy.train_step(iter([(x, y)]), 1)
+            train_step(strategy, x, y)
     for _ in range(rounds):
         for setting, (strategy, x, y) in built.items():
             for _ in range(steps):
                 t0 = time.perf_counter()
-                strategy.train_step(iter([(x, y)]), 1)
+                train_step(strategy, x, y)
                 times[setting].append(1e3 * (time.perf_counter() - t0))
     return {s: statistics.median(t) for s, t in times.items()}
 
@@ -205,7 +211,7 @@ def rows_of(case: dict, rounds: int, steps: int, warmup: int) -> list[dict]:
     rows = []
     for setting in SETTINGS:
         strategy, x, y = build(case, setting)
-        mem = step_memory(strategy.train_model, x, y, strategy.precision_context)
+        mem = step_memory(strategy.train_model, x, y, strategy.forward_context)
         row = {**case, "setting": setting, "checkpointed_blocks": strategy.checkpointed}
         row |= {f"{k}_MB": round(v / 1e6, 3) for k, v in mem.items()}
         row |= {"rss_delta_MB": round(measure_rss(case, setting) / 1e6, 1)}

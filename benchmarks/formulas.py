@@ -2,20 +2,29 @@
 benchmarks/parallelisms.py prints beside what it counts. Bytes are what one rank sends in one
 training step, under the ring algorithms of comm_bytes.ring_sent_bytes; fp32 throughout.
 
-Notation: b windows per replica per step, s tokens per window (T), h the width (C), L blocks,
-N the size of the group an op runs on.
-- data parallel (DDP): one all-reduce of every gradient over dp; FSDP: comm_bytes.fsdp_formula.
-- pipeline: each microbatch's (mb, s, h) activation forward and its gradient back at every
-  hand-off, the tied matrix's gradient between first and last stage, the norm over the stages.
-- tensor parallel: 4 all-reduces of (b, s, h) per block per step (forward: after the attention
-  and MLP output projections; backward: before the QKV and first MLP matmuls, for the input's
-  gradient), the norm (one number over the world), and FSDP over dp of each rank's TP shards.
+Every layout is a point of the grid (mingpt_ddp/parallel/mesh.py: pp x dp_replicate x dp_shard x
+cp x tp), and a rank's bytes are the sum of what each of its dimensions sends, each on its own
+group, with the activations each one sees cut by the others: a forward unit is one microbatch
+(a pipeline's: b / m windows; otherwise the replica's b windows) of T / cp tokens of width C.
+Notation: b windows per replica per step, s tokens per window (T), h the width (C), L blocks
+(of this rank's stages), N the size of the group an op runs on.
+- pipeline: each microbatch's (mb, s / cp, h) activation forward and its gradient back at every
+  hand-off, the tied matrix's gradient between first and last stage (this rank's piece of it).
+- tensor parallel: 4 all-reduces of the forward unit per block (forward: after the attention and
+  MLP output projections; backward: before the QKV and first MLP matmuls, for the input's
+  gradient) on tp.
 - sequence parallel: the same 4 x L as all-gather + reduce-scatter pairs (equal bytes), plus
   two (b, s / tp, h) all-gathers at the ends (before the head in forward; the embedding's output
   gradient in backward), and the LayerNorms' partial gradients all-reduced (2 L + 1 of them).
-- context parallel: per block, ring attention's K and V (b, s / cp, h) each: (cp - 1) hops
-  forward, (cp - 1) backward with their gradients beside them, one last hop home of the
-  gradients; plus DDP's all-reduce of every gradient over dp x cp.
+- context parallel: per block and forward unit, ring attention's K and V (b, s / cp, h / tp)
+  each: (cp - 1) hops forward, (cp - 1) backward with their gradients beside them, one last hop
+  home of the gradients, on cp.
+- the norm: where the grid holds pieces (a pipeline, DTensor parameters), one number all-reduced
+  over the world (mingpt_ddp/parallel/clip.py).
+- data parallel, as the ladder chose it (parallelize.data_parallel): DDP, one all-reduce of every
+  gradient over dp x cp; FSDP over dp_shard x cp (comm_bytes.fsdp_formula, on each rank's TP
+  shards); HSDP the same within a shard group, then each group's reduce-scattered shard
+  all-reduced over dp_replicate.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ import math
 
 import torch
 
-from benchmarks.comm_bytes import fsdp_formula, ring_sent_bytes
+from benchmarks.comm_bytes import fsdp_formula, padded_bytes, ring_sent_bytes
 
 
 def bubble(layout: dict) -> float | None:
@@ -34,63 +43,6 @@ def bubble(layout: dict) -> float | None:
     p, m = layout["pp"], layout["m"]
     v = layout.get("v", 1) if layout["schedule"] == "interleaved1f1b" else 1
     return (p - 1) / (v * m + p - 1)
-
-
-def data_parallel_bytes(layout: dict, strategy) -> float:
-    """DDP's all-reduce of every gradient, or FSDP's gathers and reduce-scatters, over dp."""
-    dp = layout["dp"]
-    if dp == 1:
-        return 0.0
-    if layout["parallel"] == "fsdp":
-        whole = type(strategy.model)(strategy.model.config)  # unsharded shapes, padded
-        gather, scatter = fsdp_formula(whole, dp)
-        return gather + scatter
-    params = sum(p.numel() * p.element_size() for p in strategy.model.parameters())
-    return ring_sent_bytes("all_reduce", params, dp)
-
-
-def pipeline_bytes(layout: dict, strategy, C: int, T: int, G: int) -> float:
-    """Activations forward and their gradients back (every microbatch, every hand-off this rank
-    makes), the tied matrix's gradient between first and last stage, the norm over the world,
-    tensor parallelism's 4 all-reduces per block and microbatch inside a stage, and the
-    data-parallel reduction of this rank's stages over the replicas."""
-    dp, tp, m, n = layout["dp"], layout["tp"], layout["m"], strategy.cfg.stages
-    act = G // dp // m * T * C * 4  # one microbatch's (mb, T, C) fp32 activations
-    sent = sum(m * act * ((i < n - 1) + (i > 0)) for i in strategy.ids)
-    if strategy.tie_group is not None:  # this rank's piece of the tied matrix (FSDP: a shard)
-        tied = strategy.tied[0]
-        tied = tied.to_local() if hasattr(tied, "to_local") else tied
-        sent += ring_sent_bytes("all_reduce", tied.numel() * 4, 2)
-    sent += ring_sent_bytes("all_reduce", 4, layout["pp"] * dp * tp)  # the squared norm
-    blocks = sum(len(s.blocks) for s in strategy.stages)
-    sent += 4 * blocks * m * ring_sent_bytes("all_reduce", act, tp) if tp > 1 else 0
-    if layout["parallel"] == "fsdp" and dp > 1:
-        return sent + sum(_fsdp_of_shards(s, tp, dp, times=m) for s in strategy.stages)
-    params = {id(p): p for s in strategy.stages for p in s.parameters()}.values()
-    return sent + ring_sent_bytes("all_reduce", sum(p.numel() * 4 for p in params), dp)
-
-
-def tensor_bytes(layout: dict, strategy, C: int, T: int, G: int) -> float:
-    """Tensor (and sequence) parallelism's activations and partial gradients, the norm, and
-    FSDP over dp of each rank's shards."""
-    tp, dp, world = layout["tp"], layout["dp"], layout["tp"] * layout["dp"]
-    model = strategy.model
-    act = G // dp * T * C * 4  # (b, s, h) fp32: one replica's activations between blocks
-    L = model.config.n_layer
-    if layout.get("sp"):
-        # Per block, forward and backward: 4 all-gathers of a (b, s / tp, h) shard and 4
-        # reduce-scatters of (b, s, h), where tensor parallelism alone all-reduces 4 times.
-        sent = 4 * L * ring_sent_bytes("all_gather", act / tp, tp)
-        sent += 4 * L * ring_sent_bytes("reduce_scatter", act, tp)
-        sent += 2 * ring_sent_bytes("all_gather", act / tp, tp)  # the head's input, embedding
-        norms = [p for n, p in model.named_parameters() if "ln_" in n]
-        sent += sum(ring_sent_bytes("all_reduce", _whole(p) * 4, tp) for p in norms)
-    else:
-        sent = 4 * L * ring_sent_bytes("all_reduce", act, tp)
-    sent += ring_sent_bytes("all_reduce", 4, world)  # the squared norm
-    if dp > 1:
-        sent += _fsdp_of_shards(model, tp, dp)
-    return sent
 
 
 def _whole(p) -> int:
@@ -108,24 +60,96 @@ def _tp_shape(p, tp: int) -> tuple:
     return tuple(shape)
 
 
-def _fsdp_of_shards(model, tp: int, dp: int, times: int = 1) -> float:
-    """FSDP2 over dp of each rank's TP shards: comm_bytes.fsdp_formula on the shard shapes (meta
-    tensors). In a pipeline the later microbatches' backwards find the blocks still gathered:
-    torch's PipelineStage sets set_reshard_after_backward(False) until the last (counted: m + 1
-    gathers of each block per step)."""
-    shard = lambda p: torch.empty(_tp_shape(p, tp), device="meta")  # shape and dtype only
-    return sum(fsdp_formula(model, dp, local=shard, times=times))
+def _tp_shard(tp: int):
+    """What FSDP shards of a parameter on one tp rank: its TP piece's shape (a meta tensor)."""
+    return lambda p: torch.empty(_tp_shape(p, tp), device="meta")  # shape and dtype only
 
 
-def context_bytes(layout: dict, strategy, C: int, T: int, G: int) -> float:
-    """Ring attention's keys and values (and their gradients) per block, and DDP's all-reduce of
-    every gradient over dp x cp."""
-    cp, dp = layout["cp"], layout["dp"]
-    kv = 2 * (G // dp) * (T // cp) * C * 4  # K and V: (b, s / cp, h) fp32 each
-    L = strategy.model.config.n_layer
-    sent = L * ((cp - 1) * kv + (cp - 1) * 2 * kv + kv)  # forward; backward K, V + grads; home
-    params = sum(p.numel() * p.element_size() for p in strategy.model.parameters())
-    return sent + ring_sent_bytes("all_reduce", params, dp * cp)
+def _fsdp_groups(module, shards: int, local) -> list[float]:
+    """FSDP2's groups of a module (each block, then the root: what remains), as the padded bytes
+    of their flat gradients (the reduce-scatter's input)."""
+    blocks = list(module.blocks.children())
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    root = [local(p) for p in module.parameters() if id(p) not in in_blocks]
+    groups = [[local(p) for p in b.parameters()] for b in blocks] + [root]
+    return [padded_bytes(g, shards) for g in groups]
+
+
+def data_parallel_bytes(strategy, times: int) -> float:
+    """The data-parallel reduction of this rank's modules (the model, or its pipeline stages), as
+    the ladder wrapped them: DDP over dp x cp, FSDP over dp_shard x cp (gathers: times forwards
+    per step, a pipeline's microbatches), HSDP: FSDP within, all-reduce across dp_replicate."""
+    dims, how = strategy.dims, strategy.parts[0].data_parallel
+    if how == "ddp":
+        params = {id(p): p for m in strategy.modules for p in m.parameters()}.values()
+        grads = sum(p.numel() * p.element_size() for p in params)
+        return ring_sent_bytes("all_reduce", grads, dims.dp * dims.cp)
+    if how not in ("fsdp", "hsdp"):
+        return 0.0
+    shards, local = dims.dp_shard * dims.cp, _tp_shard(dims.tp)
+    sent = 0.0
+    for module in strategy.modules:
+        sent += sum(fsdp_formula(module, shards, local=local, times=times))
+        if how == "hsdp":  # each group's reduce-scattered shard, summed over the replicas
+            sent += sum(
+                ring_sent_bytes("all_reduce", full / shards, dims.dp_replicate)
+                for full in _fsdp_groups(module, shards, local)
+            )
+    return sent
+
+
+def pipeline_bytes(layout: dict, strategy, act: float) -> float:
+    """Activations forward and their gradients back (every microbatch, every hand-off this rank
+    makes), and the tied matrix's gradient between first and last stage (this rank's piece: a
+    shard under FSDP)."""
+    pipeline, m = strategy.pipeline, layout["m"]
+    n = pipeline.cfg.stages
+    sent = sum(m * act * ((i < n - 1) + (i > 0)) for i in pipeline.ids)
+    if pipeline.tie_group is not None:
+        for tied in pipeline.tied:
+            tied = tied.to_local() if hasattr(tied, "to_local") else tied
+            sent += ring_sent_bytes("all_reduce", tied.numel() * 4, 2)
+    return sent
+
+
+def tensor_bytes(layout: dict, strategy, act: float, blocks: int, times: int) -> float:
+    """Tensor (and sequence) parallelism's activations and partial gradients inside the blocks
+    (per forward unit act), and sequence parallelism's ends and LayerNorm gradients."""
+    tp = strategy.dims.tp
+    if not layout.get("sp"):
+        return 4 * blocks * times * ring_sent_bytes("all_reduce", act, tp)
+    # Per block, forward and backward: 4 all-gathers of a (b, s / tp, h) shard and 4
+    # reduce-scatters of (b, s, h), where tensor parallelism alone all-reduces 4 times.
+    sent = 4 * blocks * times * ring_sent_bytes("all_gather", act / tp, tp)
+    sent += 4 * blocks * times * ring_sent_bytes("reduce_scatter", act, tp)
+    sent += 2 * times * ring_sent_bytes("all_gather", act / tp, tp)  # the head's input, embedding
+    norms = [p for m in strategy.modules for n, p in m.named_parameters() if "ln_" in n]
+    return sent + sum(ring_sent_bytes("all_reduce", _whole(p) * 4, tp) for p in norms)
+
+
+def context_bytes(strategy, act: float, blocks: int, times: int) -> float:
+    """Ring attention's keys and values (and their gradients), per block and forward unit: K and
+    V are each this rank's heads (h / tp) of the unit's tokens."""
+    kv = 2 * act / strategy.dims.tp  # K and V: (b, s / cp, h / tp) fp32 each
+    cp = strategy.dims.cp
+    return blocks * times * ((cp - 1) * kv + (cp - 1) * 2 * kv + kv)  # fwd; bwd + grads; home
+
+
+def sent_bytes(layout: dict, strategy, size: dict) -> float:
+    """What this rank should send in one step, for any point of the grid: the sum of each
+    dimension's bytes on its own group (module docstring)."""
+    dims, C, T, G = strategy.dims, size["n_embd"], size["T"], layout["G"]
+    times = layout["m"] if strategy.pipeline is not None else 1  # forwards of each block
+    act = G // dims.dp // times * (T // dims.cp) * C * 4  # one forward unit, (b, s / cp, h)
+    blocks = sum(len(m.blocks) for m in strategy.modules)
+    sent = pipeline_bytes(layout, strategy, act) if strategy.pipeline is not None else 0.0
+    if dims.tp > 1:
+        sent += tensor_bytes(layout, strategy, act, blocks, times)
+    if dims.cp > 1:
+        sent += context_bytes(strategy, act, blocks, times)
+    if strategy.sharded and dims.world_size > 1:  # the squared norm, summed over the grid
+        sent += ring_sent_bytes("all_reduce", 4, dims.world_size)
+    return sent + data_parallel_bytes(strategy, times)
 
 
 # The parameters tensor parallelism splits (the rest, embeddings, LayerNorms, the head and the
@@ -140,15 +164,17 @@ TP_SPLIT = (
 )
 
 
-def param_bytes(layout: dict, model) -> float | None:
-    """What a rank should hold of the parameters: the split matrices / tp, everything / dp under
-    FSDP (its padding aside). None for a pipeline (a stage's share depends on the cut)."""
+def param_bytes(layout: dict, strategy) -> float | None:
+    """What a rank should hold of the parameters: the split matrices / tp, everything / the
+    shards under FSDP or HSDP (dp_shard x cp; its padding aside). None for a pipeline (a stage's
+    share depends on the cut)."""
     if layout["pp"] > 1:
         return None
-    whole = type(model)(model.config)
-    fsdp = layout["dp"] if layout["parallel"] == "fsdp" else 1
+    dims, how = strategy.dims, strategy.parts[0].data_parallel
+    whole = type(strategy.model)(strategy.model.config)
+    shards = dims.dp_shard * dims.cp if how in ("fsdp", "hsdp") else 1
     split = lambda name: layout["tp"] if name.endswith(TP_SPLIT) else 1
-    return sum(p.numel() * 4 / split(n) / fsdp for n, p in whole.named_parameters())
+    return sum(p.numel() * 4 / split(n) / shards for n, p in whole.named_parameters())
 
 
 def activation_bytes(layout: dict, one_process: float) -> float | None:
@@ -160,15 +186,3 @@ def activation_bytes(layout: dict, one_process: float) -> float | None:
     if layout["pp"] > 1 or (layout["tp"] > 1 and not layout.get("sp")):
         return None
     return one_process / layout["dp"] / layout["cp"] / layout["tp"]
-
-
-def sent_bytes(layout: dict, strategy, size: dict) -> float:
-    """What this rank should send in one step, for any layout."""
-    C, T, G = size["n_embd"], size["T"], layout["G"]
-    if layout["pp"] > 1:
-        return pipeline_bytes(layout, strategy, C, T, G)
-    if layout["tp"] > 1:
-        return tensor_bytes(layout, strategy, C, T, G)
-    if layout["cp"] > 1:
-        return context_bytes(layout, strategy, C, T, G)
-    return data_parallel_bytes(layout, strategy)

@@ -87,7 +87,7 @@ def worker(args) -> None:
     trainer.train_step()  # warm-up; creates the optimizer state
     x, y = trainer._next_batch()
     strategy = trainer.strategy
-    with strategy.precision_context():
+    with strategy.forward_context():  # autocast, as the step runs forward
         loss = strategy.train_model(x, y)[1]
     loss.backward()  # gradients exist now: measure what this rank holds
     params = list(trainer.model.parameters())

@@ -3,11 +3,13 @@
     python benchmarks/parallelisms.py --quick --out benchmarks/results/parallelisms_quick.json
     python benchmarks/parallelisms.py --out benchmarks/results/parallelisms.json   # gpt-micro
 
-Each layout trains a few steps (20 with --quick) on random token windows through the project's
-own strategies (mingpt_ddp/parallel/), under torchrun with one rank per place of its mesh (pp x
-dp x cp x tp): the data, tensor and context-parallel layouts on a global batch of G windows, a
-pipeline on m microbatches of a fixed mb windows per replica (so a microbatch costs the same at
-every m, as the bubble formula assumes). Per layout, per rank:
+Each layout is a point of the grid (mingpt_ddp/parallel/mesh.py: pp x dp_replicate x dp_shard x
+cp x tp, the row's `degrees`) and trains a few steps (20 with --quick; 4 for the 16-rank grid of
+all four) on random token windows through the project's GridStrategy and the Trainer's step
+(trainer.step), under torchrun with one rank per place of its mesh: the data, tensor and
+context-parallel layouts on a global batch of G windows, a pipeline on m microbatches of a fixed
+mb windows per replica (so a microbatch costs the same at every m, as the bubble formula
+assumes). Per layout, per rank:
 - max_abs_loss_diff: the largest difference of a step's loss to one process's (the parent runs
   that reference in-process, parallel=none, on the same global batches);
 - sent bytes per step, counted on one steady step (the third: the first exchanges pipeline
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -58,12 +61,15 @@ SIZES = {
     "full": dict(n_layer=4, n_head=4, n_embd=128, T=64, G=16, mb=4, steps=12),
 }
 WARMUP, COUNTED = 2, 2  # steps before the counted one; the counted step's index
+DEGREES = ("dp_replicate", "dp_shard", "tp", "cp", "pp")  # a row's degrees (mesh_config's keys)
 
 
 def layouts(size: dict) -> list[dict]:
-    """Every layout: dp, pp, parallel, schedule, m microbatches, v stages per rank, G windows."""
+    """Every layout: its degrees (dp = dp_replicate x dp_shard), parallel, schedule, m
+    microbatches, v stages per rank, G windows, and its steps (fewer for the 16-rank grid)."""
+    hsdp = dict(dp_replicate=2, dp_shard=2, parallel="fsdp")
     rows = [dict(dp=1, pp=1, parallel="none"), dict(dp=2, pp=1, parallel="ddp")]
-    rows.append(dict(dp=2, pp=1, parallel="fsdp"))
+    rows += [dict(dp=2, pp=1, parallel="fsdp"), dict(hsdp)]
     rows += [dict(dp=1, pp=2, parallel="ddp", schedule="gpipe", m=m) for m in (1, 2, 4, 8)]
     rows += [dict(dp=1, pp=2, parallel="ddp", schedule="1f1b", m=m) for m in (2, 4, 8)]
     rows.append(dict(dp=1, pp=2, parallel="ddp", schedule="interleaved1f1b", m=4, v=2))
@@ -72,12 +78,20 @@ def layouts(size: dict) -> list[dict]:
     rows += [dict(dp=1, tp=2, parallel="ddp"), dict(dp=1, tp=2, sp=True, parallel="ddp")]
     rows.append(dict(dp=2, tp=2, parallel="fsdp"))
     rows += [dict(dp=1, cp=2, parallel="ddp"), dict(dp=2, cp=2, parallel="ddp")]
+    rows.append(dict(dp=1, cp=2, tp=2, parallel="ddp"))
+    rows.append(dict(dp=1, pp=2, cp=2, parallel="ddp", schedule="1f1b", m=4))
     rows.append(dict(dp=1, pp=2, tp=2, parallel="ddp", schedule="1f1b", m=4))
     rows.append(dict(dp=2, pp=2, tp=2, parallel="fsdp", schedule="1f1b", m=4))
+    # The whole grid at once: 16 processes on however few cores, so few steps.
+    rows.append(dict(dp=2, pp=2, cp=2, tp=2, parallel="ddp", schedule="1f1b", m=4, steps=4))
     for r in rows:
-        r.setdefault("pp", 1)
-        r.update(tp=r.get("tp", 1), cp=r.get("cp", 1))
+        if "dp_replicate" not in r:  # DDP replicates, FSDP shards: the mesh's -1 defaults
+            fsdp = r["parallel"] == "fsdp"
+            r.update(dp_replicate=1 if fsdp else r["dp"], dp_shard=r["dp"] if fsdp else 1)
+        r["dp"] = r["dp_replicate"] * r["dp_shard"]
+        r.update(pp=r.get("pp", 1), tp=r.get("tp", 1), cp=r.get("cp", 1))
         r["G"] = r["m"] * size["mb"] * r["dp"] if r["pp"] > 1 else size["G"]
+        r.setdefault("steps", size["steps"])
     return rows
 
 
@@ -89,14 +103,16 @@ def batches(size: dict, step: int, G: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def build(layout: dict, size: dict, ctx):
-    """The model and the strategy this layout trains it with (registry: the project's modes)."""
+    """The model and the grid strategy this layout trains it with (registry "grid": every
+    torch-native layout, its degrees given as mesh_config would)."""
     from mingpt_ddp.config.context import ContextConfig
     from mingpt_ddp.config.deepspeed import DeepSpeedConfig
+    from mingpt_ddp.config.mesh import MeshConfig
     from mingpt_ddp.config.optimizer import OptimizerConfig
     from mingpt_ddp.config.pipeline import PipelineConfig
     from mingpt_ddp.config.tensor import TensorConfig
+    from mingpt_ddp.parallel.grid import GridStrategy
     from mingpt_ddp.parallel.plan import Plan
-    from mingpt_ddp.parallel.registry import build_strategy
     from mingpt_ddp.parallel.strategy import StrategyArgs
     from mingpt_ddp.runtime.distributed import ControlPlane
     from model import GPT, GPTConfig
@@ -107,21 +123,19 @@ def build(layout: dict, size: dict, ctx):
     pipeline = PipelineConfig(
         layout["pp"], layout.get("schedule", "1f1b"), layout.get("m", 4), layout.get("v", 2)
     )
-    tensor = TensorConfig(layout["tp"], layout.get("sp", False))
-    context = ContextConfig(layout["cp"])
+    degrees = {k: layout[k] for k in DEGREES}
     plan = Plan(
-        layout["parallel"], use_amp=False, pipeline=pipeline, tensor=tensor, context=context
+        layout["parallel"],
+        use_amp=False,
+        pipeline=pipeline,
+        tensor=TensorConfig(layout["tp"], layout.get("sp", False)),
+        context=ContextConfig(layout["cp"]),
+        mesh=MeshConfig(**degrees),
     )
-    args = StrategyArgs(
-        plan,
-        ctx,
-        OptimizerConfig(),
-        layout["G"] // layout["dp"],
-        1,
-        ControlPlane(),
-        DeepSpeedConfig(),
-    )
-    return model, build_strategy(layout["parallel"], model, args)
+    optim = OptimizerConfig()
+    batch = layout["G"] // layout["dp"]
+    args = StrategyArgs(plan, ctx, optim, batch, 1, ControlPlane(), DeepSpeedConfig())
+    return model, GridStrategy(model, args)
 
 
 def share(layout: dict, step: int, size: dict, replica: int) -> list:
@@ -135,27 +149,30 @@ def measure(layout: dict, size: dict) -> dict:
     import torch.distributed as dist
 
     from benchmarks.comm_bytes import CountBytes
-    from mingpt_ddp.parallel.plan import local_bytes, replica
+    from mingpt_ddp.parallel.plan import local_bytes
     from mingpt_ddp.runtime.distributed import DistContext
+    from trainer import step as train_step
 
     rank, world = dist.get_rank(), dist.get_world_size()
     ctx = DistContext(rank, rank, world, torch.device("cpu"), local_world_size=world)
     _, strategy = build(layout, size, ctx)
-    r, _ = replica(rank, world, strategy.plan)
+    r = strategy.plan.dims(world).coordinates(rank)["dp"]  # which replica's windows it reads
+    clip = strategy.args.optim.grad_clip
     params = [p for opt in strategy.optimizers for g in opt.param_groups for p in g["params"]]
     losses, idle, sent, ops, saved = [], [], 0.0, {}, SavedBytes(params)
-    if layout["pp"] > 1:  # the schedule's step alone: the optimizer's step is no bubble
-        strategy.schedule.step = StageClock.timed(strategy.schedule.step, "wall")
-    for step in range(size["steps"]):
+    pipeline = strategy.pipeline
+    if pipeline is not None:  # the schedule's step alone: the optimizer's step is no bubble
+        pipeline.schedule.step = StageClock.timed(pipeline.schedule.step, "wall")
+    for step in range(layout["steps"]):
         work = share(layout, step, size, r)
         StageClock.busy = StageClock.wall = 0.0
         if step == COUNTED:
             with CountBytes() as counter, saved.hooks():
-                loss, _ = strategy.train_step(iter(work), 1)
+                loss, _ = train_step(strategy, iter(work), 1, clip)
             sent, ops = counter.sent_bytes(), {op: b for op, _, _, _, b in counter.rows()}
         else:
-            loss, _ = strategy.train_step(iter(work), 1)
-        if step > COUNTED and layout["pp"] > 1:
+            loss, _ = train_step(strategy, iter(work), 1, clip)
+        if step > COUNTED and pipeline is not None:
             idle.append(1 - StageClock.busy / StageClock.wall)
         losses.append(None if loss is None else loss.item())
     return {
@@ -165,7 +182,7 @@ def measure(layout: dict, size: dict) -> dict:
         "formula": sent_bytes(layout, strategy, size),
         "idle": statistics.median(idle) if idle else None,
         "params": local_bytes(params),
-        "params_formula": param_bytes(layout, strategy.model),
+        "params_formula": param_bytes(layout, strategy),
         "optimizer": strategy.optimizer_state_bytes(),
         "saved": saved.peak,
     }
@@ -193,20 +210,23 @@ def reference(size: dict, G: int) -> dict:
     """One process (parallel=none) over the same global batches: the losses to compare with, and
     the activations it saves for backward (what the formulas divide)."""
     from mingpt_ddp.runtime.distributed import DistContext
+    from trainer import step as train_step
 
     torch.set_num_threads(1)
-    layout = dict(dp=1, pp=1, tp=1, cp=1, parallel="none", G=G)
+    layout = dict(dp=1, dp_replicate=1, dp_shard=1, pp=1, tp=1, cp=1, parallel="none", G=G)
     _, strategy = build(layout, size, DistContext(0, 0, 1, torch.device("cpu")))
     saved, losses = SavedBytes(strategy.model.parameters()), []
+    clip = strategy.args.optim.grad_clip
     for step in range(size["steps"]):
+        work = iter(share(layout, step, size, 0))
         with saved.hooks() if step == COUNTED else nullcontext():
-            losses.append(strategy.train_step(iter(share(layout, step, size, 0)), 1)[0].item())
+            losses.append(train_step(strategy, work, 1, clip)[0].item())
     return {"losses": losses, "saved": saved.peak}
 
 
 def run_layout(layout: dict, size: dict) -> list[dict]:
     """Every rank's numbers for one layout, from a torchrun of this file."""
-    nproc = layout["dp"] * layout["pp"] * layout["tp"] * layout["cp"]
+    nproc = math.prod(layout[k] for k in DEGREES)
     with tempfile.TemporaryDirectory() as out:
         env = dict(os.environ, PARALLELISMS_LAYOUT=json.dumps([layout, size]), PARALLELISMS_OUT=out)
         env["OMP_NUM_THREADS"] = "1"
@@ -227,9 +247,10 @@ def row(layout: dict, ranks: list[dict], one: dict) -> dict:
     pipeline = layout["pp"] > 1
     return {
         "layout": label(layout),
-        "degrees": {k: layout[k] for k in ("dp", "pp", "tp", "cp")},
+        "degrees": {k: layout[k] for k in DEGREES},
         "sequence_parallel": bool(layout.get("sp")),
         "global_batch": layout["G"],
+        "steps": layout["steps"],
         "parallel": layout["parallel"],
         "schedule": layout.get("schedule") if pipeline else None,
         "microbatches": layout.get("m") if pipeline else None,
@@ -238,6 +259,7 @@ def row(layout: dict, ranks: list[dict], one: dict) -> dict:
         "sent_bytes_per_step": mean("sent"),
         "sent_bytes_formula": mean("formula"),
         "sent_bytes_per_rank": [r["sent"] for r in ranks],
+        "sent_bytes_formula_per_rank": [r["formula"] for r in ranks],
         "sent_bytes_by_op": [r["ops"] for r in ranks],  # per rank: {c10d op: bytes sent}
         "bubble_measured": statistics.fmean(idle) if idle else None,
         "bubble_per_rank": idle or None,
@@ -252,8 +274,11 @@ def row(layout: dict, ranks: list[dict], one: dict) -> dict:
 
 
 def label(layout: dict) -> str:
-    """A layout in words: "dp2 ddp", "pp2 1f1b m=4", "dp2 ddp x pp2 gpipe m=4", "one process"."""
+    """A layout in words: "dp2 ddp", "pp2 1f1b m=4", "dp2 ddp x pp2 gpipe m=4", "one process",
+    "hsdp 2x2" (dp_replicate x dp_shard)."""
     parts = [f"dp{layout['dp']} {layout['parallel']}"] if layout["dp"] > 1 else []
+    if layout["dp_replicate"] > 1 and layout["dp_shard"] > 1:
+        parts = [f"hsdp {layout['dp_replicate']}x{layout['dp_shard']}"]
     if layout["pp"] > 1:
         v = f" v={layout['v']}" if layout["schedule"] == "interleaved1f1b" else ""
         parts.append(f"pp{layout['pp']} {layout['schedule']} m={layout['m']}{v}")

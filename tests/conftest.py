@@ -158,22 +158,25 @@ def ddp_reference(shakespeare, tmp_path_factory):
 
 def parallelisms(out_dir: Path, only: str) -> tuple[dict, Path]:
     """benchmarks/parallelisms.py --quick on the layouts named in `only` (comma-separated): its
-    rows keyed by layout (exactly those, each within 1e-4 of one process's losses), and the path
-    of its JSON report (the markdown table beside it)."""
+    rows keyed by layout (exactly those, each with the grid's five degrees, within 1e-4 of one
+    process's losses, and every rank sending the bytes its formula predicts), and the path of
+    its JSON report (the markdown table beside it)."""
     out = out_dir / "parallelisms.json"
     script = str(REPO / "benchmarks" / "parallelisms.py")
     result = subprocess.run(
         [sys.executable, script, "--quick", "--out", str(out), "--only", only],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     rows = {r["layout"]: r for r in report["rows"]}
     assert sorted(rows) == sorted(only.split(",")) and report["hardware"]["device"]
     for r in rows.values():
+        assert set(r["degrees"]) == {"dp_replicate", "dp_shard", "tp", "cp", "pp"}, r
         assert r["max_abs_loss_diff"] <= 1e-4, r
+        assert r["sent_bytes_per_rank"] == r["sent_bytes_formula_per_rank"], r
     return rows, out
 
 

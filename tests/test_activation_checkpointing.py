@@ -29,6 +29,7 @@ from mingpt_ddp.parallel.registry import build_strategy
 from mingpt_ddp.parallel.strategy import StrategyArgs
 from mingpt_ddp.runtime.distributed import ControlPlane, DistContext
 from model import GPT, Block, GPTConfig
+from trainer import step
 
 VOCAB = 65
 
@@ -49,6 +50,13 @@ def strategy(parallel: str, setting: str, compile: bool = False, **switches):
     ctx = DistContext(0, 0, 1, torch.device("cpu"))
     args = StrategyArgs(plan, ctx, OptimizerConfig(), 3, 2, ControlPlane(), DeepSpeedConfig())
     return build_strategy(parallel, gpt(**switches), args)
+
+
+def train(s, micro: list) -> torch.Tensor:
+    """One optimizer step over the micro-batches (the Trainer's step); this rank's mean loss."""
+    loss, applied = step(s, iter(micro), len(micro), OptimizerConfig().grad_clip)
+    assert applied
+    return loss
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -149,13 +157,13 @@ def test_parameter_names_are_unchanged_so_a_snapshot_resumes_across_the_switch()
         n for n, _ in ckpt.model.named_parameters()
     ]
     for writer, reader in [(ckpt, plain), (plain, ckpt)]:  # each way
-        writer.train_step(iter([(x, y)]), 1)
+        train(writer, [(x, y)])
         saved = io.BytesIO()
         torch.save(writer.tensor_state(), saved)
         saved.seek(0)
         reader.load_tensor_state(torch.load(saved, weights_only=True))
         for s in (writer, reader):  # the next step: the same from the same state
-            s.train_step(iter([(x, y)]), 1)
+            train(s, [(x, y)])
         for a, b in zip(writer.model.parameters(), reader.model.parameters(), strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
@@ -166,7 +174,7 @@ def test_every_mode_trains_the_same_with_it_and_says_so(parallel, world_of_one):
     runs = {}
     for setting in ("none", "full"):
         s = strategy(parallel, setting)
-        losses = [s.train_step(iter(micro), 2)[0].item() for _ in range(2)]
+        losses = [train(s, micro).item() for _ in range(2)]
         runs[setting] = (losses, [full(p).detach() for p in s.model.parameters()], s.describe())
     (plain_losses, plain_params, plain_words), (losses, params, words) = runs.values()
     assert losses == pytest.approx(plain_losses, abs=1e-6)
@@ -184,8 +192,8 @@ def test_compiled_checkpointed_blocks_train_like_eager_ones(parallel, world_of_o
     micro = [batch(seed=1)]
     eager, compiled = strategy(parallel, "none"), strategy(parallel, "full", compile=True)
     for _ in range(2):
-        want = eager.train_step(iter(micro), 1)[0].item()
-        assert compiled.train_step(iter(micro), 1)[0].item() == pytest.approx(want, abs=1e-5)
+        want = train(eager, micro).item()
+        assert train(compiled, micro).item() == pytest.approx(want, abs=1e-5)
     for a, b in zip(compiled.model.parameters(), eager.model.parameters(), strict=True):
         torch.testing.assert_close(full(a), full(b), rtol=0, atol=1e-5)
 
@@ -205,7 +213,10 @@ def test_deepspeed_zero3_trains_the_same_losses_with_it(shakespeare, tmp_path):
         records = MetricsLog.read(str(run_dir / "metrics.jsonl"))
         # Flat: pytest.approx (9.2 on) takes no nested sequences.
         losses[parallel] = [
-            value for r in records if "train_loss" in r for value in (r["train_loss"], r["grad_norm"])
+            value
+            for r in records
+            if "train_loss" in r
+            for value in (r["train_loss"], r["grad_norm"])
         ]
     assert "ZeRO-3 + activation checkpointing (2 of 2 blocks)" in result.stdout
     assert losses["zero3"] == pytest.approx(losses["ddp"], abs=1e-5)

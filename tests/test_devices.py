@@ -19,7 +19,7 @@ from mingpt_ddp.config.deepspeed import DeepSpeedConfig
 from mingpt_ddp.config.optimizer import OptimizerConfig
 from mingpt_ddp.config.trainer import TrainerConfig
 from mingpt_ddp.errors import ConfigError
-from mingpt_ddp.parallel.fsdp import FSDPStrategy
+from mingpt_ddp.parallel.grid import GridStrategy
 from mingpt_ddp.parallel.plan import (
     Plan,
     autocast_attention_fp32,
@@ -82,9 +82,9 @@ def strategy_args(plan: Plan, device: str) -> StrategyArgs:
 
 def test_fsdp_cpu_offload_is_for_gpu_jobs_and_refused_on_the_cpu():
     with pytest.raises(ConfigError, match="fsdp_cpu_offload=true .* needs parallel=fsdp on GPUs"):
-        FSDPStrategy.check(strategy_args(Plan(parallel="fsdp", cpu_offload=True), "cpu"))
+        GridStrategy.check(strategy_args(Plan(parallel="fsdp", cpu_offload=True), "cpu"))
     fp16 = Plan(parallel="fsdp", use_amp=True, amp_dtype="fp16", cpu_offload=True)
-    FSDPStrategy.check(strategy_args(fp16, "cuda"))  # fp16 too
+    GridStrategy.check(strategy_args(fp16, "cuda"))  # fp16 too
 
 
 def test_tf32_is_a_gpu_setting_that_leaves_cpu_matmuls_alone():
@@ -250,7 +250,7 @@ def test_attention_precision_under_bf16_autocast_is_decided_by_timing_both():
         f"attention {'fp32' if fp32 else 'bf16'}"
     )
     # Nothing to decide without bf16 autocast (FSDP and DeepSpeed cast the parameters themselves,
-    # and never ask: FSDPStrategy.autocasts).
+    # and never ask: GridStrategy.autocasts).
     for plan in (Plan(use_amp=False), Plan(use_amp=True, amp_dtype="fp16")):
         assert autocast_attention_fp32(plan, torch.device("cpu"), shape) == (False, "")
 

@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from mingpt_ddp.config.deepspeed import DeepSpeedConfig
 from mingpt_ddp.config.optimizer import OptimizerConfig
+from mingpt_ddp.parallel.grid import GridStrategy
 from mingpt_ddp.parallel.plan import CPUScaleGradScaler, Plan, grad_scaler
-from mingpt_ddp.parallel.single import Single
 from mingpt_ddp.parallel.strategy import StrategyArgs
 from mingpt_ddp.runtime import host
 from mingpt_ddp.runtime.distributed import ControlPlane, DistContext
@@ -49,14 +49,12 @@ def test_fsdp_shards_on_the_ranks_own_device_not_the_accelerator_torch_finds(
     even for a job told trainer_config.device=cpu. The strategy must hand it its own."""
     from torch.distributed.fsdp._fully_shard import _fsdp_init, _fully_shard
 
-    from mingpt_ddp.parallel.fsdp import FSDPStrategy
-
     def default_mesh(*_, **__):
         raise AssertionError("fully_shard fell back to the mesh of torch's accelerator")
 
     monkeypatch.setattr(_fsdp_init, "_init_default_mesh", default_mesh)
     monkeypatch.setattr(_fully_shard, "_init_default_mesh", default_mesh, raising=False)
-    strategy = FSDPStrategy(tiny(), args_for(Plan(parallel="fsdp")))
+    strategy = GridStrategy(tiny(), args_for(Plan(parallel="fsdp")))
     weight = strategy.model.blocks[0].mlp.fc.weight
     assert weight.device_mesh.device_type == "cpu" and weight.to_local().device.type == "cpu"
 
@@ -109,20 +107,20 @@ def test_a_gpu_job_whose_optimizer_steps_on_the_cpu_gets_its_share_of_the_cores(
 def test_attention_precision_is_kept_in_the_snapshot_not_re_timed_on_resume(monkeypatch):
     """Under bf16 autocast attention runs in whichever precision was faster when the run started;
     a resumed run must compute as the snapshot's run did, whatever its own timing says."""
-    from mingpt_ddp.parallel import single
+    from mingpt_ddp.parallel import grid
 
     bf16 = Plan(parallel="none", use_amp=True, amp_dtype="bf16")
-    monkeypatch.setattr(single, "autocast_attention_fp32", lambda *a: (True, "attention fp32"))
-    first = Single(tiny(), args_for(bf16))
+    monkeypatch.setattr(grid, "autocast_attention_fp32", lambda *a: (True, "attention fp32"))
+    first = GridStrategy(tiny(), args_for(bf16))
     meta = first.snapshot_meta()
     assert meta["attention_fp32"] is True
-    monkeypatch.setattr(single, "autocast_attention_fp32", lambda *a: (False, "attention bf16"))
-    resumed = Single(tiny(), args_for(bf16))
+    monkeypatch.setattr(grid, "autocast_attention_fp32", lambda *a: (False, "attention bf16"))
+    resumed = GridStrategy(tiny(), args_for(bf16))
     assert not resumed.model.blocks[0].attn.fp32_under_autocast  # its own timing...
     resumed.load_snapshot_meta(meta)
     assert resumed.model.blocks[0].attn.fp32_under_autocast  # ...gives way to the snapshot's
     assert "as the snapshot's run" in resumed.precision()
-    fp32 = Single(tiny(), args_for(Plan(parallel="none")))
+    fp32 = GridStrategy(tiny(), args_for(Plan(parallel="none")))
     assert fp32.snapshot_meta()["attention_fp32"] is None  # nothing to keep without autocast
 
 

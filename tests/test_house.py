@@ -123,6 +123,7 @@ def test_a_plain_install_adds_one_package_that_builds_the_schema_outside_the_che
             "data_config",
             "deepspeed_config",
             "gpt_config",
+            "mesh_config",
             "optimizer_config",
             "pipeline_config",
             "tensor_config",
@@ -132,50 +133,102 @@ def test_a_plain_install_adds_one_package_that_builds_the_schema_outside_the_che
     )
 
 
-# --------------------------------------------------------------- one strategy per parallel mode
+# ------------------------------------------------------------ one grid, one ladder, one step
 def strategy_modules() -> dict[str, str]:
     from mingpt_ddp.parallel.registry import STRATEGIES
 
     return {mode: path.split(":")[0] for mode, path in STRATEGIES.items()}
 
 
+# The parallelisms: one small module each (an apply_... function), and what composes them.
+PARALLELISMS = ["tensor", "context", "ring", "fsdp", "ddp", "pipeline", "stages", "checkpointing"]
+
+
+def strings_in(path) -> set[str]:
+    """Every string constant of a file (importlib.import_module("...") names a module so)."""
+    return {
+        node.value
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+    }
+
+
+def package_files(package: str) -> list:
+    return sorted((REPO / "mingpt_ddp" / package).rglob("*.py"))
+
+
 @pytest.mark.parametrize("file", ["trainer.py", "mingpt_ddp/snapshots/protocol.py"])
 def test_the_trainer_and_the_snapshot_protocol_never_ask_which_parallel_mode_runs(file):
-    """They import no strategy module and compare nothing with a mode's name: a new mode is a new
-    module and a line in the registry, not another branch here."""
+    """They import no strategy module and compare nothing with a layout's name or a degree: a new
+    parallelism is a module, a degree and a line of the ladder, not another branch here. The
+    trainer's one branch is the pipeline's (its schedule runs forward and backward); an engine
+    that brings its own step (DeepSpeed) is strategy.own_step, not a name."""
     tree = ast.parse((REPO / file).read_text())
     imported = imports_of(REPO / file, project_modules())
     modes, modules = set(strategy_modules()), set(strategy_modules().values())
     assert not imported & modules, f"{file} imports {sorted(imported & modules)}"
     assert "trainer" not in imported or file == "trainer.py"
-    # The mode's name is read once, to look its strategy up in the registry; nowhere else.
+    # The layout's name is read once, to look its strategy up in the registry; nowhere else.
     lookups = {
         id(call.args[0])
         for call in ast.walk(tree)
         if isinstance(call, ast.Call) and getattr(call.func, "id", "") == "build_strategy"
     }
+    words = modes | {"zero", "sharded", "ddp", "fsdp", "none", "pipeline", "hsdp"}
+    degrees = {"degree", "dp", "dp_replicate", "dp_shard", "tp", "cp", "pp", "dims", "mesh"}
     for node in ast.walk(tree):
         if isinstance(node, ast.Compare):
             names = {c.value for c in ast.walk(node) if isinstance(c, ast.Constant)}
-            assert not names & (modes | {"zero", "sharded"}), (
-                f"{file}:{node.lineno} compares a mode"
+            assert not names & words, f"{file}:{node.lineno} compares a layout"
+        if isinstance(node, (ast.If, ast.IfExp, ast.While)):
+            read = {a.attr for a in ast.walk(node.test) if isinstance(a, ast.Attribute)}
+            assert not read & (degrees | {"parallel", "tensor", "context"}), (
+                f"{file}:{node.lineno} branches on a degree or a layout"
             )
         if isinstance(node, ast.Attribute) and node.attr in {"parallel", "zero", "sharded"}:
-            assert id(node) in lookups, f"{file}:{node.lineno} reads which mode runs"
+            assert id(node) in lookups, f"{file}:{node.lineno} reads which layout runs"
 
 
-def test_every_registered_mode_implements_the_strategy_contract():
-    from mingpt_ddp.parallel.registry import STRATEGIES, _load, file_layouts
+def test_one_mesh_is_built_in_one_place():
+    """The grid of ranks is one DeviceMesh, built once (parallel/mesh.py); every parallelism asks
+    it for its dimension instead of building a mesh of its own."""
+    calls = []
+    for path in sorted((REPO / "mingpt_ddp").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and "init_device_mesh" in ast.unparse(node.func):
+                calls.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert calls == ["mingpt_ddp/parallel/mesh.py:" + calls[0].split(":")[1]], calls
+
+
+def test_each_parallelism_is_one_small_module():
+    for name in PARALLELISMS + ["mesh", "parallelize"]:
+        lines = len((REPO / "mingpt_ddp" / "parallel" / f"{name}.py").read_text().splitlines())
+        assert lines <= 300, f"mingpt_ddp/parallel/{name}.py: {lines} lines (at most 300)"
+
+
+@pytest.mark.parametrize(
+    "package, never",
+    [("snapshots", "parallel"), ("parallel", "snapshots"), ("corpus", "snapshots")],
+)
+def test_snapshots_and_parallelisms_never_import_each_other(package, never):
+    """The snapshot code takes plain dicts and objects with state_dict-like methods; the
+    parallelisms hand them over; neither imports the other, anywhere in a file (functions and
+    importlib strings too). The corpus reads URLs through what lies below both (mingpt_ddp/urls
+    or the like), not through the snapshot store."""
+    modules = project_modules()
+    for path in package_files(package):
+        banned = f"mingpt_ddp.{never}"
+        found = {m for m in imports_of(path, modules) if m.startswith(banned)}
+        found |= {s for s in strings_in(path) if s.startswith(banned)}
+        assert not found, f"{path.relative_to(REPO)} imports {sorted(found)}"
+
+
+def test_every_registered_layout_implements_the_strategy_contract():
+    from mingpt_ddp.parallel.registry import STRATEGIES, _load
     from mingpt_ddp.parallel.strategy import Strategy
-    from mingpt_ddp.snapshots.layout import FileLayout
+    from mingpt_ddp.snapshots.layouts import LAYOUTS
 
-    contract = [
-        "train_step",
-        "grad_norm",
-        "optimizer_state_bytes",
-        "tensor_state",
-        "load_tensor_state",
-    ]  # (evaluate, describe, check_snapshot: the base's fit most)
+    contract = ["grad_norm", "optimizer_state_bytes", "tensor_state", "load_tensor_state"]
     for mode, path in STRATEGIES.items():
         cls = _load(path)
         assert issubclass(cls, Strategy), mode
@@ -183,9 +236,8 @@ def test_every_registered_mode_implements_the_strategy_contract():
         assert (
             not missing or mode == "deepspeed" and missing == ["tensor_state", "load_tensor_state"]
         ), (mode, missing)  # DeepSpeed's engine saves and loads its own files (write/read_tensors)
-        assert cls.layout is None or isinstance(cls.layout, FileLayout)
-    layouts = file_layouts()  # the store's rules for multi-file snapshots come from the strategies
-    assert {k: v.extension for k, v in layouts.items()} == {
+        assert cls.files is None or cls.files in LAYOUTS, mode
+    assert {k: v.extension for k, v in LAYOUTS.items()} == {
         "sharded": "dcp",
         "deepspeed": "zero",
         "pipeline": "pipeline",

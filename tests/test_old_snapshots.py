@@ -1,8 +1,9 @@
 """Snapshots written by older code still resume: one of each layout (a single file, FSDP's DCP
 shards, DeepSpeed ZeRO-2's files, a 2-stage pipeline's, a 2-way tensor-parallel job's), made by
 tests/fixtures/make_old_snapshots.py at the commit its README row names, is resumed by today's code
-and trains on. Each resumes with the settings that wrote it (LAYOUTS, as in that script): a
-pipeline's snapshot resumes only under a pipeline."""
+and trains on. Each resumes in another layout than the one that wrote it (ELSEWHERE: one format
+for every layout, any layout resumes any other), DeepSpeed's with DeepSpeed (its engine's files
+are partitioned per rank)."""
 
 import shutil
 
@@ -21,7 +22,17 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout, overrides", LAYOUTS.items(), ids=list(LAYOUTS))
+# The layout each resumes in: another one than wrote it (the same for DeepSpeed).
+ELSEWHERE = {
+    "single": ["mesh_config.pp=2", "pipeline_config.microbatches=2"],
+    "fsdp": ["mesh_config.tp=2"],
+    "deepspeed": LAYOUTS["deepspeed"],
+    "pipeline": ["parallel=fsdp"],
+    "tensor": ["mesh_config.cp=2"],
+}
+
+
+@pytest.mark.parametrize("layout, overrides", ELSEWHERE.items(), ids=list(ELSEWHERE))
 def test_an_old_snapshot_resumes_and_trains_on(layout, overrides, shakespeare, tmp_path):
     if layout == "deepspeed":
         pytest.importorskip("deepspeed", reason='pip install -e ".[deepspeed]"')

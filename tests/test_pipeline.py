@@ -19,8 +19,11 @@ from mingpt_ddp.config.optimizer import OptimizerConfig
 from mingpt_ddp.config.pipeline import PipelineConfig
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.metrics import MetricsLog
-from mingpt_ddp.parallel.plan import Plan, coordinates, mesh_shape, replica
+from mingpt_ddp.parallel.grid import GridStrategy
+from mingpt_ddp.parallel.plan import Plan, replica
 from mingpt_ddp.parallel.stages import block_ranges, cut, stage_ids
+from mingpt_ddp.parallel.strategy import StrategyArgs
+from mingpt_ddp.runtime.distributed import DistContext
 
 FOUR_BLOCKS = ["gpt_config.n_layer=4"]
 STEPS = dict(max_steps=8, log_every=1, eval_every=4, save_every=4)
@@ -118,33 +121,54 @@ def test_the_settings_a_pipeline_cannot_run_are_refused_naming_the_fix():
     with pytest.raises(ConfigError, match="schedule must be gpipe, 1f1b, interleaved1f1b"):
         PipelineConfig(schedule="zb")
     with pytest.raises(ConfigError, match="must divide the world size 3"):
-        mesh_shape(3, Plan(pipeline=PipelineConfig(degree=2)))
+        Plan(pipeline=PipelineConfig(degree=2)).dims(3)
     with pytest.raises(ConfigError, match="needs at least 5 blocks, the model has 4"):
         block_ranges(4, 5)
+
+
+TWO_STAGES = PipelineConfig(degree=2)
+
+
+def stage_args(optimizer="adamw", batch_size=4, **plan):
+    """A rank of 2 stages x 2 replicas (world 4), as GridStrategy.check sees it."""
+    ctx = DistContext(0, 0, 4, torch.device("cpu"))
+    plan = Plan(pipeline=TWO_STAGES, **plan)
+    return StrategyArgs(plan, ctx, OptimizerConfig(optimizer=optimizer), batch_size, 1, None, None)
 
 
 @pytest.mark.parametrize(
     "plan, optimizer, refused",
     [
-        (Plan(parallel="deepspeed"), "adamw", "not parallel=deepspeed"),
-        (Plan(use_amp=True, amp_dtype="fp16"), "adamw", "use trainer_config.amp_dtype=bf16"),
-        (Plan(parallel="fsdp"), "muon", "optimizer=muon needs each weight matrix whole"),
-        (Plan(grad_reduce="via_rank0"), "adamw", "grad_reduce=via_rank0 is a DDP"),
+        (dict(use_amp=True, amp_dtype="fp16"), "adamw", "use trainer_config.amp_dtype=bf16"),
+        (dict(parallel="fsdp"), "muon", "optimizer=muon needs each weight matrix whole"),
+        (dict(grad_reduce="via_rank0"), "adamw", "grad_reduce=via_rank0 is a DDP"),
     ],
 )
 def test_a_pipeline_refuses_modes_it_would_run_wrongly(plan, optimizer, refused):
-    from mingpt_ddp.parallel.pipeline import PipelineStrategy
-    from mingpt_ddp.parallel.strategy import StrategyArgs
-
-    args = StrategyArgs(plan, None, OptimizerConfig(optimizer=optimizer), 4, 1, None, None)
     with pytest.raises(ConfigError, match=refused):
-        PipelineStrategy.check(args)
-    odd = StrategyArgs(Plan(), None, OptimizerConfig(), 6, 1, None, None)  # 6 windows, 4 pieces
+        GridStrategy.check(stage_args(optimizer, **plan))
+    odd = stage_args(batch_size=6)  # 6 windows, 4 pieces
     with pytest.raises(ConfigError, match="do not cut into pipeline_config.microbatches=4 equal"):
-        PipelineStrategy.check(odd)
-    PipelineStrategy.check(
-        StrategyArgs(Plan(), None, OptimizerConfig(optimizer="muon"), 4, 1, None, None)
-    )  # Muon over DDP replicas: whole matrices
+        GridStrategy.check(odd)
+    GridStrategy.check(stage_args("muon"))  # Muon over DDP replicas: whole matrices
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="library bug: DeepSpeedStrategy.check does not refuse mesh_config.pp/tp/cp > 1 "
+    "(horovod and torchft do), so parallel=deepspeed silently drops the pipeline",
+)
+def test_deepspeed_refuses_a_pipeline_naming_the_key():
+    from mingpt_ddp.parallel.deepspeed import DeepSpeedStrategy
+
+    args = stage_args(parallel="deepspeed")
+    try:
+        DeepSpeedStrategy.check(args)
+    except ConfigError as refused:
+        assert "mesh_config.pp" in str(refused) or "pipeline_config.degree" in str(refused)
+    else:
+        raise AssertionError("parallel=deepspeed with pipeline_config.degree=2 was accepted")
 
 
 def test_stages_hold_the_whole_models_parameters_under_its_names():
@@ -170,8 +194,9 @@ def test_stages_hold_the_whole_models_parameters_under_its_names():
 
 def test_the_replica_not_the_rank_decides_the_data_share():
     plan = Plan(pipeline=PipelineConfig(degree=2))
-    shape = mesh_shape(4, plan)
-    assert [(coordinates(r, shape)["pp"], *replica(r, 4, plan)) for r in range(4)] == [
+    dims = plan.dims(4)
+    assert dims.shape() == {"pp": 2, "dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1}
+    assert [(dims.coordinates(r)["pp"], *replica(r, 4, plan)) for r in range(4)] == [
         (0, 0, 2),
         (0, 1, 2),
         (1, 0, 2),
@@ -182,7 +207,7 @@ def test_the_replica_not_the_rank_decides_the_data_share():
 
 @pytest.mark.slow
 def test_parallelisms_counts_the_bytes_the_formulas_predict_and_matches_one_process(tmp_path):
-    rows, out = parallelisms(tmp_path, "pp2 gpipe m=4,pp2 1f1b m=4")
+    rows, out = parallelisms(tmp_path, "pp2 gpipe m=4,pp2 1f1b m=4,pp2 1f1b m=4 x cp2")
     for r in rows.values():
         assert r["sent_bytes_per_step"] == r["sent_bytes_formula"] > 0, r  # counted = predicted
     gpipe, one_f_one_b = rows["pp2 gpipe m=4"], rows["pp2 1f1b m=4"]

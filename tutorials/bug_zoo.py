@@ -12,7 +12,8 @@ runs the buggy variant and the project's code side by side and applies one check
 check must catch the bug and pass the project. The exhibits that need ranks run in a 2-process
 gloo group this script starts itself (torch.multiprocessing, as tutorials/spawn_launch.py does);
 the rest run in this process. The buggy variants live here, never in the Trainer: they are
-subclasses and copies of the project's pieces with one line changed (tutorials/bugs/).
+copies of the project's pieces with one line changed (tutorials/bugs/), a buggy copy of
+trainer.micro_steps run by trainer.step in the real one's place.
 """
 
 from __future__ import annotations
@@ -50,17 +51,17 @@ BUGS = {
         ranks.grad_accum_not_divided,
         WORLD,
         "gradient accumulation: each micro-step's loss backpropagated whole",
-        "self.scaler.scale(loss).backward()",
-        "self.scaler.scale(loss / n_micro).backward()",
-        "Single.train_step",
+        "s.scaler.scale(micro_loss).backward()",
+        "s.scaler.scale(micro_loss / n).backward()",
+        "trainer.micro_steps, trainer.step",
     ),
     "no_sync_around_backward": Bug(
         ranks.no_sync_backward,
         WORLD,
         "DDP's no_sync around the backward only, the forward left outside",
         "_, loss = model(x, y); with model.no_sync(): loss.backward()",
-        "with self.gradient_sync(last), ...: _, loss = self.train_model(*batch)",
-        "Single.train_step, DDPStrategy.gradient_sync",
+        "with s.gradient_sync(micro == n - 1): _, micro_loss = s.train_model(x, y)",
+        "trainer.micro_steps, GridStrategy.gradient_sync",
     ),
     "logged_loss_rank0_only": Bug(
         ranks.logged_loss_rank0,
@@ -100,7 +101,7 @@ BUGS = {
         "the checkpoint leaves out GradScaler's state (fp16's loss scale)",
         "torch.save({'model': ..., 'optimizer': ...}, path)",
         '"scaler": self.scaler.state_dict(),',
-        "Single.snapshot_meta, Single.load_snapshot_meta",
+        "GridStrategy.snapshot_meta, GridStrategy.load_snapshot_meta",
     ),
     "resume_without_rng_state": Bug(
         resume.resume_without_rng,
@@ -115,7 +116,7 @@ BUGS = {
         1,
         "the checkpoint leaves out the LR scheduler's state (the schedule restarts)",
         "scheduler = LambdaLR(optimizer, schedule)  # its state_dict() never saved",
-        "set_learning_rates(self.strategy.optimizers, self.optim_cfg, self.state.step, ...)",
+        "set_learning_rates(s.optimizers, self.optim_cfg, self.state.step, ...)",
         "set_learning_rates, Trainer.train_step",
     ),
     "missing_set_epoch": Bug(

@@ -258,7 +258,8 @@ class GridStrategy(Strategy):
     def read_tensors(self, snapshot) -> dict:
         if not snapshot.reshardable:
             return snapshot.tensors()  # whole tensors (one file): cut to this layout on load
-        return snapshot.tensors(into=state.load_target(self.tensor_state()))
+        tied = self.model.config.tie_embeddings  # the head is the embedding
+        return snapshot.tensors(into=state.load_target(self.tensor_state(), tied))
 
     def load_tensor_state(self, tensors: dict) -> None:
         state.load(self.modules, self.part_optimizers, tensors, self.order)

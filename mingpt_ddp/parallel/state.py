@@ -50,11 +50,16 @@ def merge_groups(mine: list, more: list) -> list:
     return mine
 
 
-def load_target(state: dict) -> dict:
+def load_target(state: dict, tied: bool) -> dict:
     """What DCP fills from a snapshot: this layout's own tensors (every key a name of the whole
     model), without param_groups, which older snapshots keyed another way (per name, a
-    pipeline's; as lists, FSDP's) and which the run takes from its config anyway."""
-    return {"model": state["model"], "optimizer": {"state": state["optimizer"]["state"]}}
+    pipeline's; as lists, FSDP's) and which the run takes from its config anyway. A last stage's
+    tied head is read under the name every snapshot has, the embedding's (pick reads it back)."""
+    model, optim = dict(state["model"]), dict(state["optimizer"]["state"])
+    for sd in (model, optim):
+        if tied and "lm_head.weight" in sd and "wte.weight" not in sd:
+            sd["wte.weight"] = sd.pop("lm_head.weight")
+    return {"model": model, "optimizer": {"state": optim}}
 
 
 def load(modules: list, optimizers: list, tensors: dict, order: torch.Tensor) -> None:
@@ -62,10 +67,10 @@ def load(modules: list, optimizers: list, tensors: dict, order: torch.Tensor) ->
     its optimizers; each takes the names it holds, its own param_groups, and its own kernels."""
     for module, opts in zip(modules, optimizers):
         model_sd, optim_sd = get_state_dict(module, opts)
-        model = {name: tensors["model"][name] for name in model_sd}
+        model = {name: pick(tensors["model"], name) for name in model_sd}
         saved = tensors["optimizer"]["state"]
         optim = {
-            "state": {name: saved[name] for name in optim_sd["state"]},
+            "state": {name: pick(saved, name) for name in optim_sd["state"]},
             "param_groups": optim_sd["param_groups"],
         }
         with own_kernels(opts):  # not the snapshot's: another layout's may differ
@@ -75,6 +80,16 @@ def load(modules: list, optimizers: list, tensors: dict, order: torch.Tensor) ->
                 model_state_dict=to_layout(model, model_sd, order),
                 optim_state_dict=to_layout(optim, optim_sd, order),
             )
+
+
+# The tied embedding/head matrix has two names; a whole model's state dict keeps one of them
+# (torch's get_state_dict drops the duplicate), while a pipeline's last stage knows it as the head.
+TIED = {"lm_head.weight": "wte.weight", "wte.weight": "lm_head.weight"}
+
+
+def pick(saved: dict, name: str):
+    """saved[name], or the tied matrix under its other name."""
+    return saved[name] if name in saved or name not in TIED else saved[TIED[name]]
 
 
 def whole_model(module: nn.Module, standard, is_main: bool) -> dict | None:

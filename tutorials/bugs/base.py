@@ -1,6 +1,6 @@
 """What every exhibit of the bug zoo shares: the corpus, a tiny GPT, the project's own training
-step (a strategy of mingpt_ddp/parallel, built as the Trainer builds it), and the row each
-exhibit reports.
+step (trainer.step over a strategy of mingpt_ddp/parallel, built as the Trainer builds it), and
+the row each exhibit reports.
 
 An exhibit is one function that runs the buggy variant and the project's variant of the same
 code, measures the symptom on both, and applies one check to both: the check must catch the
@@ -11,19 +11,22 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from char_dataset import CharTokenizer  # noqa: E402 - needs REPO on sys.path first
+import trainer  # noqa: E402 - needs REPO on sys.path first; the step and micro_steps
+from char_dataset import CharTokenizer  # noqa: E402
 from mingpt_ddp.config.deepspeed import DeepSpeedConfig  # noqa: E402
 from mingpt_ddp.config.optimizer import OptimizerConfig  # noqa: E402
 from mingpt_ddp.parallel.plan import Plan  # noqa: E402
-from mingpt_ddp.parallel.registry import STRATEGIES, _load  # noqa: E402
+from mingpt_ddp.parallel.registry import build_strategy  # noqa: E402
 from mingpt_ddp.parallel.strategy import Batch, Strategy, StrategyArgs  # noqa: E402
 from mingpt_ddp.runtime.distributed import ControlPlane, DistContext  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
@@ -91,12 +94,11 @@ def build(
     model: GPT,
     parallel: str = "none",
     accum: int = 1,
-    cls: type[Strategy] | None = None,
     optim: OptimizerConfig | None = None,
     **plan,
 ) -> Strategy:
-    """The project's strategy for `parallel` (or cls, a buggy subclass of it) around model, as
-    Trainer._build_strategy builds it; on the CPU, in this process group (if any)."""
+    """The project's strategy for `parallel` around model, as Trainer._build_strategy builds it;
+    on the CPU, in this process group (if any)."""
     import torch.distributed as dist
 
     rank, world = (dist.get_rank(), dist.get_world_size()) if parallel != "none" else (0, 1)
@@ -110,7 +112,21 @@ def build(
         ControlPlane(),
         DeepSpeedConfig(),
     )
-    return (cls or _load(STRATEGIES[parallel]))(model, args)
+    return build_strategy(parallel, model, args)
+
+
+MicroSteps = Callable[[Strategy, Iterator[Batch], int], torch.Tensor]
+
+
+def train_step(
+    strategy: Strategy, batches: Iterator[Batch], n: int, micro_steps: MicroSteps | None = None
+) -> tuple[torch.Tensor, bool]:
+    """One optimizer step over n micro-batches as the Trainer takes it: trainer.step, clipping at
+    the optimizer config's grad_clip. Given micro_steps (a buggy copy of trainer.micro_steps), the
+    same step with that copy in its place for this one call: the rest is the project's."""
+    grad_clip = strategy.args.optim.grad_clip
+    with mock.patch.object(trainer, "micro_steps", micro_steps or trainer.micro_steps):
+        return trainer.step(strategy, batches, n, grad_clip)
 
 
 def close(a: float, b: float) -> bool:

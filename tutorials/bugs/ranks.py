@@ -1,56 +1,65 @@
 """The bug zoo's exhibits that need several ranks: each function runs on every rank of a gloo
 group (collectives inside), and returns its Row on rank 0 (None elsewhere).
 
-The buggy variants are subclasses of the project's DDPStrategy whose train_step differs from
-Single.train_step in one line, or one decision taken the other way: the rest is the project's.
+The buggy variants are copies of the project's trainer.micro_steps that differ from it in one
+line, or one decision taken the other way; the zoo's step (base.train_step) is trainer.step with
+such a copy in micro_steps' place, around the project's own DDP strategy: the rest is the
+project's.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from bugs.base import BATCH, BLOCK, CPU, Row, build, close, tiny_gpt, windows
+from bugs.base import (
+    BATCH,
+    BLOCK,
+    CPU,
+    Batch,
+    MicroSteps,
+    Row,
+    build,
+    close,
+    tiny_gpt,
+    train_step,
+    windows,
+)
 from mingpt_ddp.metrics import LogWindow
-from mingpt_ddp.parallel.ddp import DDPStrategy
+from mingpt_ddp.parallel.strategy import Strategy
 from mingpt_ddp.runtime.distributed import ControlPlane, DistContext
 
 ACCUM = 2  # micro-steps per optimizer step
 
 
-class LossNotDivided(DDPStrategy):
+def loss_not_divided(s: Strategy, batches: Iterator[Batch], n: int) -> torch.Tensor:
     """Bug 1: each micro-step's loss backpropagated whole, so the gradients are summed over the
     micro-steps instead of averaged (a classic of training scripts' issue trackers)."""
-
-    def train_step(self, batches, n_micro):
-        loss_sum = torch.zeros(())
-        for micro, batch in enumerate(batches):
-            with self.gradient_sync(micro == n_micro - 1), self.precision_context():
-                _, loss = self.train_model(*batch)
-            self.scaler.scale(loss).backward()  # the bug: not loss / n_micro
-            loss_sum += loss.detach()
-        self.last_norm = self.clip_and_step()
-        return loss_sum / n_micro, True
+    loss = torch.zeros((), device=s.device)
+    for micro, (x, y) in enumerate(batches):
+        with s.gradient_sync(micro == n - 1):
+            _, micro_loss = s.train_model(x, y)
+        s.scaler.scale(micro_loss).backward()  # the bug: not micro_loss / n
+        loss += micro_loss.detach() / n
+    return loss
 
 
-class NoSyncAroundBackward(DDPStrategy):
+def no_sync_around_backward(s: Strategy, batches: Iterator[Batch], n: int) -> torch.Tensor:
     """Bug 2: no_sync around the backward only. DDP reads require_backward_grad_sync (what no_sync
     switches off) in its forward: _post_forward calls reducer.prepare_for_backward there, so a
     forward outside no_sync has already armed the all-reduce its backward will do."""
-
-    def train_step(self, batches, n_micro):
-        loss_sum = torch.zeros(())
-        for micro, batch in enumerate(batches):
-            _, loss = self.train_model(*batch)  # the bug: forward outside gradient_sync
-            with self.gradient_sync(micro == n_micro - 1):
-                self.scaler.scale(loss / n_micro).backward()
-            loss_sum += loss.detach()
-        self.last_norm = self.clip_and_step()
-        return loss_sum / n_micro, True
+    loss = torch.zeros((), device=s.device)
+    for micro, (x, y) in enumerate(batches):
+        _, micro_loss = s.train_model(x, y)  # the bug: forward outside gradient_sync
+        with s.gradient_sync(micro == n - 1):
+            s.scaler.scale(micro_loss / n).backward()
+        loss += micro_loss.detach() / n
+    return loss
 
 
 def count_allreduces(calls, bucket):  # no annotations: DDP inspects a comm hook's signature
@@ -73,20 +82,21 @@ def global_batch(ids: torch.Tensor, accum: int = ACCUM) -> torch.Tensor:
 def one_process(ids: torch.Tensor, vocab: int, starts: torch.Tensor) -> dict:
     """The reference: one process, the whole global batch in one micro-step (parallel=none)."""
     strategy = build(tiny_gpt(vocab))
-    loss, _ = strategy.train_step(iter([windows(ids, starts)]), 1)
+    loss, _ = train_step(strategy, iter([windows(ids, starts)]), 1)
     return {"loss": loss.item(), "norm": strategy.grad_norm()}
 
 
-def ddp_step(ids, vocab, starts, cls=None, accum: int = ACCUM) -> dict:
-    """One optimizer step of the project's DDP strategy (or a buggy subclass) on this rank's
-    share of the global batch: its own loss (a tensor), the gradient norm, the all-reduces."""
+def ddp_step(ids, vocab, starts, micro_steps: MicroSteps | None = None, accum: int = ACCUM) -> dict:
+    """One optimizer step of the project's DDP strategy, by the project's step (or by it with a
+    buggy micro_steps), on this rank's share of the global batch: its own loss (a tensor), the
+    gradient norm, the all-reduces."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    strategy = build(tiny_gpt(vocab), "ddp", accum, cls)
+    strategy = build(tiny_gpt(vocab), "ddp", accum)
     calls: list[int] = []
     strategy.train_model.register_comm_hook(calls, count_allreduces)
     # micro-step m of rank r: the (m * W + r)-th slice of B windows, as DataCursor deals them
     micro = [windows(ids, starts[(m * world + rank) * BATCH :][:BATCH]) for m in range(accum)]
-    loss, _ = strategy.train_step(iter(micro), accum)
+    loss, _ = train_step(strategy, iter(micro), accum, micro_steps)
     weights = torch.cat([p.detach().flatten() for p in strategy.model.parameters()])  # (P,)
     return {"loss": loss, "norm": strategy.grad_norm(), "allreduces": len(calls), "w": weights}
 
@@ -94,7 +104,7 @@ def ddp_step(ids, vocab, starts, cls=None, accum: int = ACCUM) -> dict:
 def grad_accum_not_divided(ids: torch.Tensor, vocab: int) -> Row | None:
     starts = global_batch(ids)
     one = one_process(ids, vocab, starts)
-    bug, project = ddp_step(ids, vocab, starts, LossNotDivided), ddp_step(ids, vocab, starts)
+    bug, project = ddp_step(ids, vocab, starts, loss_not_divided), ddp_step(ids, vocab, starts)
     same_step = torch.allclose(bug["w"], project["w"])
     return on_rank0(
         Row(
@@ -118,9 +128,9 @@ def grad_accum_not_divided(ids: torch.Tensor, vocab: int) -> Row | None:
 
 def no_sync_backward(ids: torch.Tensor, vocab: int) -> Row | None:
     runs = {}
-    for name, cls in (("bug", NoSyncAroundBackward), ("project", None)):
-        alone = ddp_step(ids, vocab, global_batch(ids, 1), cls, accum=1)
-        runs[name] = (alone["allreduces"], ddp_step(ids, vocab, global_batch(ids), cls))
+    for name, micro_steps in (("bug", no_sync_around_backward), ("project", None)):
+        alone = ddp_step(ids, vocab, global_batch(ids, 1), micro_steps, accum=1)
+        runs[name] = (alone["allreduces"], ddp_step(ids, vocab, global_batch(ids), micro_steps))
     (bug_one, bug), (one, project) = runs["bug"], runs["project"]
     return on_rank0(
         Row(

@@ -1,10 +1,10 @@
 """The bug zoo's resume exhibits: a checkpoint that leaves out the GradScaler's state, the random
 number generators' or the learning-rate schedule's, caught by a resume-equivalence test.
 
-One process trains with the project's pieces, as the Trainer puts them together: the strategy's
-step (parallel=none, fp16 autocast, so GradScaler is on), TrainState (step, DataCursor, RNG) and
-set_learning_rates. The snapshot is Trainer.state_dict's, serialized and loaded with the
-project's own functions; a buggy checkpoint leaves one entry out.
+One process trains with the project's pieces, as the Trainer puts them together: its step
+(trainer.step, over the strategy of parallel=none with fp16 autocast, so GradScaler is on),
+TrainState (step, DataCursor, RNG) and set_learning_rates. The snapshot is Trainer.state_dict's,
+serialized and loaded with the project's own functions; a buggy checkpoint leaves one entry out.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from bugs.base import BATCH, BLOCK, CPU, Row, build, tiny_gpt, windows
+from bugs.base import BATCH, BLOCK, CPU, Row, build, tiny_gpt, train_step, windows
 from mingpt_ddp.config.optimizer import OptimizerConfig
 from mingpt_ddp.optim import set_learning_rates
 from mingpt_ddp.runtime.distributed import ControlPlane, DistContext
@@ -52,7 +52,7 @@ class Run:
                 set_learning_rates(self.strategy.optimizers, OPTIM, self.state.step, STEPS)
             lr, scale = optimizer.param_groups[0]["lr"], self.strategy.scaler.get_scale()
             starts = self.state.data_cursor.next_starts(BATCH)  # (B,)
-            loss, _ = self.strategy.train_step(iter([windows(self.ids, starts)]), 1)
+            loss, _ = train_step(self.strategy, iter([windows(self.ids, starts)]), 1)
             if self.scheduler is not None:
                 self.scheduler.step()
             self.state.step += 1
