@@ -31,9 +31,14 @@ from common import REPO, hardware
 
 sys.path.insert(0, REPO)
 
-from mingpt_ddp.config.optimizer import OptimizerConfig
+from mingpt_ddp.config.optimizer import OptimizerConfig  # noqa: E402
 from mingpt_ddp.optim import build_optimizers  # noqa: E402
-from mingpt_ddp.parallel.plan import AMP_DTYPES, Plan, autocast_attention_fp32, choose_precision  # noqa: E402
+from mingpt_ddp.parallel.plan import (  # noqa: E402
+    AMP_DTYPES,
+    Plan,
+    autocast_attention_fp32,
+    choose_precision,
+)
 from mingpt_ddp.runtime.host import keep_freed_cpu_memory  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -94,10 +99,12 @@ def our_step(batches: torch.Tensor, compile: bool):
     for block in model.blocks:
         block.attn.fp32_under_autocast = attention_fp32
     if compile:
-        # in place, the whole model: what Single.wrap (parallel/single.py) does with compile=true
+        # in place, the whole model: what parallelize (parallel/parallelize.py) does with
+        # compile=true where nothing splits the model (no FSDP, tensor, context or pipeline)
         model.compile()
     optimizers = build_optimizers(model, OptimizerConfig(learning_rate=1e-3), device.type)
-    precision = lambda: torch.autocast("cpu", AMP_DTYPES[amp_dtype]) if use_amp else nullcontext()  # noqa: E731
+    dtype = AMP_DTYPES.get(amp_dtype)  # None: fp32, no autocast
+    precision = lambda: torch.autocast("cpu", dtype) if use_amp else nullcontext()
 
     def step(i: int) -> None:
         x, y = batches[i, :, :-1], batches[i, :, 1:]  # (B, T) each
@@ -143,7 +150,8 @@ def main() -> int:
     args = parser.parse_args()
     if not os.path.exists(os.path.join(args.nanogpt, "model.py")):
         sys.exit(
-            f"error: no nanoGPT model.py under {args.nanogpt}; git clone https://github.com/karpathy/nanoGPT"
+            f"error: no nanoGPT model.py under {args.nanogpt}; "
+            "git clone https://github.com/karpathy/nanoGPT"
         )
     # As main.py sets it up; the setting is the process's, so both models run under it.
     allocator = keep_freed_cpu_memory(torch.device("cpu"), not args.default_malloc) or "default"

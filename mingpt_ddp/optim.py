@@ -167,8 +167,7 @@ def check_muon_supported(cfg: OptimizerConfig, parallel: str) -> None:
         raise ConfigError(
             "optimizer_config.optimizer=muon needs each weight matrix whole on every rank "
             f"(Newton-Schulz works on the full matrix), and {splitter(parallel)} splits them; "
-            "use parallel=ddp, or "
-            "optimizer_config.optimizer=adamw"
+            "use parallel=ddp without tensor parallelism, or optimizer_config.optimizer=adamw"
         )
 
 

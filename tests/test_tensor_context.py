@@ -97,7 +97,7 @@ def args(world: int, optimizer: str = "adamw", **plan) -> StrategyArgs:
 @pytest.mark.parametrize(
     "made, refused",
     [
-        (args(2, "muon", tensor=TensorConfig(2)), "muon needs .* mesh_config.tp > 1 splits"),
+        (args(2, "muon", tensor=TensorConfig(2)), "muon needs .* mesh_config.tp=2 splits"),
         (args(2, tensor=TensorConfig(2), compile=True), "set compile=false"),
         (args(4, pipeline=PipelineConfig(2), tensor=TensorConfig(2, True)), "sequence_parallel"),
     ],

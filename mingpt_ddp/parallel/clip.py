@@ -38,14 +38,15 @@ def global_norm(params: list, plain_copies: int) -> torch.Tensor:
     return total.sqrt()
 
 
-def clip_grad_norm(params: list, max_norm: float, plain_copies: int) -> torch.Tensor:
+def clip_grad_norm(params: list, max_norm: float, plain_copies: int, twice=None) -> torch.Tensor:
     """Clip the gradients to max_norm by their global norm; returns that norm (before clipping).
     plain_copies 0: every rank holds the whole model's gradients alike (one process, DDP), so the
-    norm is local, torch's own clip_grad_norm_ with no communication."""
+    norm is local, torch's own clip_grad_norm_ with no communication. twice: a parameter that is
+    another's copy (a pipeline's tied head): clipped, but not counted in the norm again."""
     params = [p for p in params if p.grad is not None]
     if not plain_copies:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    norm = global_norm(params, plain_copies)
+    norm = global_norm([p for p in params if p is not twice], plain_copies)
     # torch's clip_grads_with_norm_, once per kind of gradient: whole tensors, and DTensors per
     # mesh (its foreach kernels take no mix: FSDP x TP holds 2-D and 1-D DTensors).
     groups: dict = {}

@@ -149,6 +149,11 @@ class DeepSpeedStrategy(Strategy):
     def check(cls, args: StrategyArgs) -> None:
         check_no_foreign_options(args.plan)
         check_muon_supported(args.optim, "deepspeed")
+        if any(degree > 1 for degree in args.plan.degrees().values()):
+            raise ConfigError(
+                "parallel=deepspeed runs ZeRO's data parallelism alone: set mesh_config.tp, cp "
+                "and pp to 1 (or use parallel=ddp or fsdp for a split model)"
+            )
         if not args.ctx.distributed:
             raise ConfigError(
                 "trainer_config.parallel=deepspeed needs a process group: launch with torchrun "

@@ -132,12 +132,10 @@ class GridStrategy(Strategy):
     def clip(self, max_norm: float) -> torch.Tensor:
         """Clip by the norm over the whole model (clip.py): local where every rank holds the
         whole gradients alike, else summed over the grid, each value counted once."""
-        if self.pipeline is not None:
-            params = self.pipeline.norm_params()  # the tied matrix's gradients summed first
-        else:
-            params = list(self.model.parameters())
+        twice = self.pipeline.tie_gradients() if self.pipeline is not None else None
+        params = [p for module in self.modules for p in module.parameters()]
         copies = self.ctx.world_size // self.dims.pp if self.sharded else 0
-        return clip_grad_norm(params, max_norm, copies)
+        return clip_grad_norm(params, max_norm, copies, twice)
 
     def grad_norm(self) -> float:
         norm = self.last_norm
@@ -290,4 +288,4 @@ def check_layout(args: StrategyArgs, dims) -> None:
             "send/recv and DTensor's collectives would break the graph): set compile=false"
         )
     if plan.parallel == "fsdp" or dims.tp > 1:
-        check_muon_supported(args.optim, "fsdp" if dims.tp == 1 else "mesh_config.tp > 1")
+        check_muon_supported(args.optim, "fsdp" if dims.tp == 1 else f"mesh_config.tp={dims.tp}")

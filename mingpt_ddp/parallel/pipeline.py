@@ -118,15 +118,14 @@ class Pipeline:
             return None  # not the last stage: no loss here
         return torch.stack(losses).detach().mean()  # equal microbatches: the batch's mean
 
-    def norm_params(self) -> list:
-        """The parameters the global norm counts, after summing the tied matrix's two gradients:
-        the tied matrix once (on the first stage), as in the whole model."""
+    def tie_gradients(self):
+        """Sum the tied matrix's two gradients (first and last stage), so both copies take the
+        same step; returns the copy the global norm must not count again (the head), or None."""
         if self.tie_group is not None:
             for p in self.tied:
                 grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                 dist.all_reduce(grad, group=self.tie_group)
-        twice = self.stages[-1].lm_head.weight if self.tied and self.has_last else None
-        return [p for s in self.stages for p in s.parameters() if p is not twice]
+        return self.stages[-1].lm_head.weight if self.tied and self.has_last else None
 
     def loss_of(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         """Collective over the row: the loss of one batch by a plain forward through the stages
