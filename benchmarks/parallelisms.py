@@ -6,10 +6,10 @@
 Each layout is a point of the grid (mingpt_ddp/parallel/mesh.py: pp x dp_replicate x dp_shard x
 cp x tp, the row's `degrees`) and trains a few steps (20 with --quick; 4 for the 16-rank grid of
 all four) on random token windows through the project's GridStrategy and the Trainer's step
-(trainer.step), under torchrun with one rank per place of its mesh: the data, tensor and
-context-parallel layouts on a global batch of G windows, a pipeline on m microbatches of a fixed
-mb windows per replica (so a microbatch costs the same at every m, as the bubble formula
-assumes). Per layout, per rank:
+(trainer.step), one process per place of its mesh (started as torchrun starts its workers): the
+data, tensor and context-parallel layouts on a global batch of G windows, a pipeline on m
+microbatches of a fixed mb windows per replica (so a microbatch costs the same at every m, as
+the bubble formula assumes). Per layout, per rank:
 - max_abs_loss_diff: the largest difference of a step's loss to one process's (the parent runs
   that reference in-process, parallel=none, on the same global batches);
 - sent bytes per step, counted on one steady step (the third: the first exchanges pipeline
@@ -35,6 +35,7 @@ import argparse
 import json
 import math
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -189,7 +190,8 @@ def measure(layout: dict, size: dict) -> dict:
 
 
 def worker() -> None:
-    """Under torchrun: one rank of the layout in $PARALLELISMS_LAYOUT; its numbers to $OUT."""
+    """One rank (RANK of WORLD_SIZE, as torchrun sets them) of the layout in
+    $PARALLELISMS_LAYOUT; its numbers to $PARALLELISMS_OUT."""
     import torch.distributed as dist
 
     from mingpt_ddp.runtime.distributed import exit_process
@@ -224,17 +226,48 @@ def reference(size: dict, G: int) -> dict:
     return {"losses": losses, "saved": saved.peak}
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (torchrun --standalone's way)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_layout(layout: dict, size: dict) -> list[dict]:
-    """Every rank's numbers for one layout, from a torchrun of this file."""
+    """Every rank's numbers for one layout: one process of this file per rank, started as
+    torchrun starts its workers (RANK, WORLD_SIZE, MASTER_ADDR/PORT) but without its agent, an
+    extra process importing torch per layout; one failing rank ends the others, as torchrun's
+    agent would."""
     nproc = math.prod(layout[k] for k in DEGREES)
     with tempfile.TemporaryDirectory() as out:
         env = dict(os.environ, PARALLELISMS_LAYOUT=json.dumps([layout, size]), PARALLELISMS_OUT=out)
-        env["OMP_NUM_THREADS"] = "1"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        cmd += [f"--nproc_per_node={nproc}", __file__]
-        done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
-        if done.returncode:
-            sys.exit(f"{layout}: exit {done.returncode}\n{done.stderr[-3000:]}")
+        env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        env.update(WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
+        logs = [open(Path(out) / f"rank{r}.log", "w+") for r in range(nproc)]
+        workers = [
+            subprocess.Popen(
+                [sys.executable, __file__],
+                env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+            for r, log in enumerate(logs)
+        ]
+        while any(w.poll() is None for w in workers):
+            if any(w.returncode for w in workers):  # one failed: the rest would wait forever
+                for w in workers:
+                    if w.poll() is None:
+                        w.kill()
+            time.sleep(0.05)
+        # The rank that failed first among those not killed here (exit code > 0).
+        failed = sorted((w.returncode < 0, r) for r, w in enumerate(workers) if w.returncode)
+        if failed:
+            r = failed[0][1]
+            logs[r].seek(0)
+            sys.exit(f"{layout}: rank {r} exit {workers[r].returncode}\n{logs[r].read()[-3000:]}")
+        for log in logs:
+            log.close()
         return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
@@ -315,7 +348,9 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="a tiny model, 20 steps (2 minutes)")
+    p.add_argument(
+        "--quick", action="store_true", help="a tiny model, 20 steps (4 in the 16-rank layout)"
+    )
     p.add_argument("--out", help="write the JSON here (and the markdown table beside it, .md)")
     p.add_argument("--only", help='comma-separated layouts to run (e.g. "dp2 ddp,pp2 1f1b m=2")')
     args = p.parse_args()

@@ -9,17 +9,10 @@ import shutil
 
 import pytest
 from conftest import REPO, run_main, tiny_overrides
+from fixtures.make_old_snapshots import LAYOUTS  # each layout's overrides, as written
 
 pytestmark = pytest.mark.slow
 FIXTURES = REPO / "tests" / "fixtures" / "old_snapshots"
-# Each layout's overrides, the same as make_old_snapshots.LAYOUTS wrote it with.
-LAYOUTS = {
-    "single": ["parallel=ddp"],
-    "fsdp": ["parallel=fsdp"],
-    "deepspeed": ["parallel=zero2"],
-    "pipeline": ["parallel=ddp", "pipeline_config.degree=2", "pipeline_config.microbatches=2"],
-    "tensor": ["parallel=ddp", "tensor_config.degree=2"],
-}
 
 
 # The layout each resumes in: another one than wrote it (the same for DeepSpeed).

@@ -20,6 +20,8 @@ scheduling; the measured step is longer by what those leave out, and replay() sp
 between unequal op times and the rest. 1F1B runs the same bubble but starts backwards early, so
 a stage holds at most p microbatches' activations instead of m.
 docs/pipeline.md explains the output; torch.distributed.pipelining is the engine for real use.
+The grown-up version is mingpt_ddp/parallel/pipeline.py: torch's schedules over the mesh's pp
+dimension, each stage through the same ladder as a whole model (parallelize.py).
 """
 
 import time

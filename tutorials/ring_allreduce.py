@@ -8,6 +8,8 @@ arriving from its left; afterwards each rank owns one fully summed chunk. Phase 
 all-gather: in N-1 more steps the finished chunks travel round the ring. Each rank
 sends 2(N-1) chunks of size/N: 2(N-1)/N times the tensor, nearly constant as N
 grows, which is why NCCL and gloo use rings (or trees) for all_reduce.
+The grown-up use is mingpt_ddp/parallel/ddp.py (apply_ddp): DDP hands each gradient bucket
+to the backend's all_reduce, a ring like this one (or a tree).
 """
 
 import time

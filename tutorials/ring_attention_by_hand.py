@@ -23,6 +23,8 @@ rank gets the same share of the causal score matrix, and at every step the same 
 
 Forward only: the trainable version, whose backward sends the gradients of K and V round the
 ring too, is the project's mingpt_ddp/parallel/ring.py.
+The grown-up version is mingpt_ddp/parallel/context.py (apply_cp) with ring.py: the ring
+along the mesh's cp dimension, with its backward.
 """
 
 import torch

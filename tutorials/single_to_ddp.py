@@ -19,6 +19,8 @@ What every rank holds after the first step, printed by rank 0 in rank order:
 - its weights after opt.step(): identical too, since the same optimizer applied the same
   gradient to the same starting weights (DDP broadcast rank 0's when it wrapped the model).
 Then each rank's fitted line after 20 epochs: the same on every rank, so any one can save it.
+The grown-up version is mingpt_ddp/parallel/ddp.py (apply_ddp): the same DDP wrapper, over
+the mesh's data-parallel ranks.
 """
 
 import os

@@ -23,6 +23,8 @@ The bytes are what a ring sends for the tensors handed to each collective (2(N-1
 all-reduce of S bytes, (N-1) s for an all-gather of shards s, (N-1)/N S for a reduce-scatter);
 ring_allreduce.py counts such a ring's bytes for real. torch.distributed.tensor.parallel is the
 engine for real use (DTensor, not used here).
+The grown-up version is mingpt_ddp/parallel/tensor.py (apply_tp): the same column and row
+layout on DTensor, along the mesh's tp dimension.
 """
 
 import torch

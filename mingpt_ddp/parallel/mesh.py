@@ -25,6 +25,7 @@ private in torch 2.13, as torchtitan uses it):
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -95,10 +96,27 @@ class ParallelDims:
         """The dimensions over one rank, in words for the start-up line (dp_replicate as "dp")."""
         return [f"{name} {getattr(self, name)}" for name in DIMS if getattr(self, name) > 1]
 
-    def build(self, device: torch.device) -> DeviceMesh:
+    def build(self, device: torch.device) -> Grid:
         """The one DeviceMesh of the run, with its flattened views. Collective: every rank builds
         the same mesh (each dimension's process groups are created once, here)."""
         mesh = init_device_mesh(device.type, tuple(self.shape().values()), mesh_dim_names=DIMS)
-        for name, dims in FLATTENED.items():
-            mesh[dims]._flatten(name)
-        return mesh
+        return Grid(mesh, {name: mesh[dims]._flatten(name) for name, dims in FLATTENED.items()})
+
+
+class Grid:
+    """The mesh and its flattened views, each asked for by name: grid["tp"], grid["dp_cp"],
+    grid["dp_replicate", "dp_shard_cp"] (HSDP's 2-D view)."""
+
+    def __init__(self, mesh: DeviceMesh, views: dict[str, DeviceMesh]):
+        self.mesh, self.views = mesh, views  # torch 2.13 asks that the flattened ones be kept
+
+    def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
+        if isinstance(names, str) and names in self.views:
+            return self.views[names]
+        if isinstance(names, str) or all(name in DIMS for name in names):
+            return self.mesh[names]
+        # A view mixing a dimension with a flattened one: torch 2.13 slices it from the root
+        # mesh (and warns that a later version will not; torchtitan builds it with _unflatten).
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+            return self.mesh[names]
