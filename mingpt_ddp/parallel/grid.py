@@ -3,10 +3,10 @@ composes on one mesh.
 
 The grid is built once (mesh.py); the model goes through the ladder (parallelize.py), or is cut
 into pipeline stages that each go through it (pipeline.py). The Trainer's step then runs over
-what came out (trainer.py: Trainer.train_step). This module holds what the step and the rest of
-the run ask of that layout: the optimizers, the contexts around forward, the global-norm clip,
-evaluation and sampling, and the state as plain dicts keyed by the whole model's names, so any
-layout resumes any other's snapshot.
+what came out (trainer.py: step, micro_steps, update). This module holds what the step and the
+rest of the run ask of that layout: the optimizers, the contexts around forward, the global-norm
+clip, evaluation and sampling, and the state as plain dicts keyed by the whole model's names, so
+any layout resumes any other's snapshot.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from mingpt_ddp.parallel.pipeline import Pipeline
 from mingpt_ddp.parallel.plan import AMP_DTYPES, autocast_attention_fp32, grad_scaler, local_bytes
 from mingpt_ddp.parallel.stages import check_microbatches
 from mingpt_ddp.parallel.strategy import Batch, Strategy, StrategyArgs, assemble
-from mingpt_ddp.parallel.tensor import heads_first, standard_order
+from mingpt_ddp.parallel.tensor import check_tp, heads_first, standard_order
 
 
 class GridStrategy(Strategy):
@@ -37,6 +37,7 @@ class GridStrategy(Strategy):
         super().__init__(model, args)
         self.check(args)
         self.dims = dims = args.plan.dims(self.ctx.world_size)
+        check_tp(model.config, dims.tp)  # before the mesh: a one-line error, no group made
         self.mesh = dims.build(self.device) if self.ctx.distributed else None
         self.order = heads_first(model.config.n_embd, dims.tp)  # QKV rows, each rank its heads'
         if dims.pp > 1:

@@ -64,7 +64,7 @@ class HorovodStrategy(GridStrategy):
         wrapped = self.hvd.DistributedOptimizer(
             optimizer, named_parameters=named, backward_passes_per_step=passes
         )
-        # Horovod 0.28.1's zero_grad takes no set_to_none (torch's callers pass it: clip_and_step,
+        # Horovod 0.28.1's zero_grad takes no set_to_none (torch's callers pass it: trainer.update,
         # and torch.distributed.checkpoint when it creates optimizer state); it sets to None anyway.
         horovod_zero_grad = wrapped.zero_grad
         wrapped.zero_grad = lambda set_to_none=True: horovod_zero_grad()

@@ -74,17 +74,22 @@ def block_plan(sequence_parallel: bool) -> dict:
     }
 
 
-def apply_tp(model: nn.Module, mesh, sequence_parallel: bool) -> None:
-    """Split every block of model (the whole model, or a pipeline stage) over the 1-D mesh "tp" in
-    place (block_plan); with sequence parallelism, the embedding's output is cut along the sequence
-    and gathered back before the (whole) head."""
-    cfg, degree = model.config, mesh.size()
+def check_tp(cfg, degree: int) -> None:
+    """Refuse a degree the model's heads and MLP cannot be split by, naming the key."""
     for n, what in ((cfg.n_head, "gpt_config.n_head"), (4 * cfg.n_embd, "4 x n_embd")):
         if n % degree:
             raise ConfigError(
                 f"mesh_config.tp={degree} must divide {what} ({n}): each rank holds whole heads "
                 "and an equal share of the MLP; pick a degree that divides it"
             )
+
+
+def apply_tp(model: nn.Module, mesh, sequence_parallel: bool) -> None:
+    """Split every block of model (the whole model, or a pipeline stage) over the 1-D mesh "tp" in
+    place (block_plan); with sequence parallelism, the embedding's output is cut along the sequence
+    and gathered back before the (whole) head."""
+    cfg, degree = model.config, mesh.size()
+    check_tp(cfg, degree)
     order = heads_first(cfg.n_embd, degree)
     for block in model.blocks.children():
         qkv = block.attn.qkv
