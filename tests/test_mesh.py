@@ -66,16 +66,3 @@ def test_a_run_handed_from_a_pipeline_to_tensor_parallel_to_one_process(shakespe
     handed, alone = losses(tmp_path / "handed"), losses(tmp_path / "straight")
     assert len(handed) == len(alone) == 6
     assert max(abs(a - b) for a, b in zip(handed, alone)) <= 1e-4, (handed, alone)
-
-
-@pytest.mark.slow
-def test_an_fsdp_snapshot_resumes_in_a_pipeline_with_the_tied_head(shakespeare, tmp_path):
-    """FSDP's DCP shards name the tied matrix once (the embedding); a pipeline's last stage holds
-    it as the head and reads it under that name."""
-    settings = dict(save_every=2, eval_every=100, log_every=1)
-    first = tiny_overrides(shakespeare, tmp_path, max_steps=2, **settings)
-    assert run_main(first + ["parallel=fsdp"], nproc=2).returncode == 0
-    args = tiny_overrides(shakespeare, tmp_path, max_steps=4, **settings)
-    result = run_main(args + ["mesh_config.pp=2", "pipeline_config.microbatches=2"], nproc=2)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    assert "resume | step 2 |" in result.stdout and "done | step 4 |" in result.stdout

@@ -17,8 +17,10 @@ FIXTURES = REPO / "tests" / "fixtures" / "old_snapshots"
 
 # The layout each resumes in: another one than wrote it (the same for DeepSpeed).
 ELSEWHERE = {
-    "single": ["mesh_config.pp=2", "pipeline_config.microbatches=2"],
-    "fsdp": ["mesh_config.tp=2"],
+    "single": ["mesh_config.tp=2"],
+    # FSDP's DCP shards name the tied matrix once (the embedding); the pipeline's last stage
+    # holds it as the head and reads it under the embedding's name.
+    "fsdp": ["mesh_config.pp=2", "pipeline_config.microbatches=2"],
     "deepspeed": LAYOUTS["deepspeed"],
     "pipeline": ["parallel=fsdp"],
     "tensor": ["mesh_config.cp=2"],

@@ -44,14 +44,13 @@ def test_a_step_the_quorum_did_not_commit_is_neither_counted_nor_logged(shakespe
     trainer = tiny_trainer(
         tmp_path, shakespeare, parallel="none", max_steps=4, log_every=1, eval_every=4
     )
-    real, calls = trainer.strategy.train_step, []
+    real, calls = trainer.strategy.reduce_gradients, []
 
-    def third_rejected(batches, n_micro):
-        loss, committed = real(batches, n_micro)
+    def third_rejected():  # torchft's manager: the quorum's vote after the gradients' all-reduce
         calls.append(trainer.state.step)
-        return loss, committed and len(calls) != 3
+        return real() and len(calls) != 3
 
-    trainer.strategy.train_step = third_rejected
+    trainer.strategy.reduce_gradients = third_rejected
     assert trainer._train_loop()
     assert calls == [0, 1, 2, 2, 3] and trainer.state.step == 4
 
@@ -85,24 +84,3 @@ def test_a_killed_group_heals_from_its_peer_while_the_other_trains_on(shakespear
     for run in runs:  # both end at the last step, with a finite loss
         last = [r for r in MetricsLog.read(str(run / "metrics.jsonl")) if "train_loss" in r][-1]
         assert last["step"] == STEPS and math.isfinite(last["train_loss"]), last
-
-
-@pytest.mark.slow
-def test_chaos_every_trial_with_random_kills_finishes_like_an_undisturbed_run(shakespeare):
-    """Three undisturbed pairs of groups (seeds 1-3) and one pair whose groups are SIGKILLed
-    twice, each when the peer passes a random step: every kill is healed from the live peer, no
-    survivor restarts (an uncommitted step is trained again, not a crash), and the pair ends at
-    the last step with a loss within the undisturbed spread. The lighthouse waits for both groups
-    (min_groups 2): under CI's load a restart can outlast the peer's remaining steps, and a group
-    back after its peer finished resumes its own snapshot alone (the benchmark keeps 1)."""
-    pytest.importorskip("torchft")
-    from benchmarks.fault_tolerance import chaos
-
-    size = dict(steps=120, save_every=60, batch=4, kill_steps=(5, 30), min_groups=2)
-    result = chaos(str(shakespeare), trials=1, size=size, seed=1)
-    for run in result["runs"]:
-        assert run["finished"] and run["final_steps"] == [120, 120], run
-        assert run["within_spread"], (run, result["spread"])
-    kills = result["runs"][-1]["killed_at_healed_at"]
-    assert len(kills) == 2 and all(healed and healed >= at for at, healed in kills), kills
-    assert result["runs"][-1]["restarts"] == 2, result["runs"][-1]  # the two killed, no more
