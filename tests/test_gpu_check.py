@@ -86,7 +86,7 @@ def test_the_cpu_rehearsal_passes_its_rows_with_finite_losses_under_the_ceiling(
         idle = subprocess.run(script, capture_output=True, text=True, timeout=120)
         assert idle.returncode == 0 and "no CUDA device visible: nothing checked" in idle.stdout
     report = tmp_path / "gc.json"
-    only = "one process fp16,x2 FSDP + bf16,SIGTERM"
+    only = "one process fp16"  # FSDP + bf16 and SIGTERM: test_fsdp_amp.py, test_resume.py
     result = subprocess.run(
         script + ["--device", "cpu", "--only", only, "--out", str(report)],
         capture_output=True,
@@ -95,11 +95,7 @@ def test_the_cpu_rehearsal_passes_its_rows_with_finite_losses_under_the_ceiling(
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     rows = json.loads(report.read_text())["rows"]
-    assert [r["name"] for r in rows] == [
-        "one process fp16 + GradScaler",
-        "torchrun x2 FSDP + bf16",
-        "torchrun x2 SIGTERM: saves its step, resumes",
-    ]
+    assert [r["name"] for r in rows] == ["one process fp16 + GradScaler"]
     for row in rows:
         assert row["ok"] and row["finite_loss"] and row["val_loss"] < 4.17 - 0.3, row
     assert json.loads(report.read_text())["hardware"]["capability"] is None

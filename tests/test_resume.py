@@ -197,7 +197,8 @@ def _epoch0_starts(trace_dir) -> list[int]:
     return starts
 
 
-@pytest.mark.parametrize("before, after", [(2, 1), (4, 2)])
+# 2 -> 1 is shown by the FSDP reshard (4 -> 2 -> 1), the S3 test and tensor parallelism's 2 -> 1.
+@pytest.mark.parametrize("before, after", [(4, 2)])
 def test_resume_at_another_world_size_sees_every_remaining_sample_once(
     before, after, shakespeare, tmp_path
 ):
