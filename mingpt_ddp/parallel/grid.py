@@ -179,6 +179,8 @@ class GridStrategy(Strategy):
             dp_words += " (gradients via rank 0)"
         if how == "hsdp" and self.plan.parallel == "fsdp":
             dp_words = f"hsdp: {dims.dp_replicate} replica groups x {dims.dp_shard} shards"
+        elif how == "hsdp":  # DTensor parameters: the replicas go through fully_shard
+            dp_words = "ddp: replicas through fully_shard"
         split = []
         if self.pipeline is not None:
             split.append(self.pipeline.describe())
