@@ -59,7 +59,8 @@ def apply_cp(model: nn.Module, mesh) -> RingAttention:
 
 
 def local_part(batch: tuple, ring: RingAttention) -> tuple:
-    """This rank's chunks of each window: (x, y), (B, T / cp) each."""
+    """This rank's chunks of each window: (x, y), (B, T / cp) each (the step's and evaluation's
+    batches; the ring's forward then hands the model their positions)."""
     x, y = batch
     positions = ring.positions(x.size(1) // len(ring.ranks), ring.index, x.device)
     return x[:, positions], y[:, positions]

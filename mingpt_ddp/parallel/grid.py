@@ -22,11 +22,18 @@ from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.optim import build_optimizers, check_muon_supported, state_tensors
 from mingpt_ddp.parallel import state
 from mingpt_ddp.parallel.clip import clip_grad_norm
+from mingpt_ddp.parallel.context import local_part
 from mingpt_ddp.parallel.parallelize import parallelize
 from mingpt_ddp.parallel.pipeline import Pipeline
 from mingpt_ddp.parallel.plan import AMP_DTYPES, autocast_attention_fp32, grad_scaler, local_bytes
 from mingpt_ddp.parallel.stages import check_microbatches
-from mingpt_ddp.parallel.strategy import Batch, Strategy, StrategyArgs, assemble
+from mingpt_ddp.parallel.strategy import (
+    CPU_OFFLOAD_NEEDS_FSDP,
+    Batch,
+    Strategy,
+    StrategyArgs,
+    assemble,
+)
 from mingpt_ddp.parallel.tensor import check_tp, heads_first, standard_order
 
 
@@ -81,10 +88,7 @@ class GridStrategy(Strategy):
                 "(--nproc_per_node=1 for one process) or use parallel=ddp"
             )
         if plan.cpu_offload and (plan.parallel != "fsdp" or ctx.device.type != "cuda"):
-            raise ConfigError(
-                "trainer_config.fsdp_cpu_offload=true keeps FSDP's shards in CPU memory instead "
-                "of GPU memory: it needs parallel=fsdp on GPUs; set fsdp_cpu_offload=false"
-            )
+            raise ConfigError(CPU_OFFLOAD_NEEDS_FSDP)
         if plan.grad_reduce == "via_rank0" and (
             plan.parallel != "ddp" or dims.dp < dims.world_size
         ):
@@ -98,11 +102,7 @@ class GridStrategy(Strategy):
     def local(self, batch: Batch) -> tuple:
         """Context parallelism: this rank's chunks of each window."""
         ring = self.parts[0].ring
-        if ring is None:
-            return batch
-        x, y = batch
-        positions = ring.positions(x.size(1) // len(ring.ranks), ring.index, x.device)
-        return x[:, positions], y[:, positions]  # (B, T / cp) each
+        return batch if ring is None else local_part(batch, ring)
 
     def forward_context(self) -> AbstractContextManager:
         """autocast (where FSDP does not cast the parameters itself), and the rings sharding."""

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from mingpt_ddp.config.mesh import ALIASES, data_degrees
+from mingpt_ddp.config.mesh import data_degrees
 from mingpt_ddp.errors import ConfigError
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -39,11 +39,6 @@ FLATTENED = {
     "dp": ("dp_replicate", "dp_shard"),
     "dp_shard_cp": ("dp_shard", "cp"),
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
-}
-KEYS = {
-    "dp_replicate": "mesh_config.dp_replicate",
-    "dp_shard": "mesh_config.dp_shard",
-    **{name: f"mesh_config.{name}" for name in ALIASES},
 }
 
 
@@ -64,7 +59,7 @@ class ParallelDims:
         not divide the world."""
         split = degrees["tp"] * degrees["cp"] * degrees["pp"]
         if world_size % split:
-            named = " x ".join(f"{KEYS[k]}={v}" for k, v in degrees.items() if v > 1)
+            named = " x ".join(f"mesh_config.{k}={v}" for k, v in degrees.items() if v > 1)
             raise ConfigError(
                 f"the model-parallel degrees ({named} = {split} ranks) must divide the world size "
                 f"{world_size}; launch a multiple of {split} processes or change the degrees"
@@ -91,10 +86,6 @@ class ParallelDims:
             rank, found[name] = divmod(rank, shape[name])
         found["dp"] = found["dp_replicate"] * self.dp_shard + found["dp_shard"]
         return {name: found[name] for name in (*DIMS, "dp")}
-
-    def split(self) -> list[str]:
-        """The dimensions over one rank, in words for the start-up line (dp_replicate as "dp")."""
-        return [f"{name} {getattr(self, name)}" for name in DIMS if getattr(self, name) > 1]
 
     def build(self, device: torch.device) -> Grid:
         """The one DeviceMesh of the run, with its flattened views. Collective: every rank builds

@@ -58,10 +58,11 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, mesh, dims: ParallelDims, plan, ctx):
         self.cfg = cfg = plan.pipeline
-        pp_rank = dims.coordinates(ctx.rank)["pp"]
+        me = dims.coordinates(ctx.rank)
+        pp_rank = me["pp"]
         # Global ranks of this rank's row (one whole pipeline), in stage order.
         self.row = dist.get_process_group_ranks(mesh["pp"].get_group())
-        self.first_of_row = all(v == 0 for k, v in dims.coordinates(ctx.rank).items() if k != "pp")
+        self.first_of_row = all(v == 0 for k, v in me.items() if k != "pp")  # the first row
         ranges = block_ranges(model.config.n_layer, cfg.stages)
         self.ids = stage_ids(pp_rank, cfg.degree, cfg.stages)
         last = cfg.stages - 1

@@ -225,14 +225,17 @@ class Strategy:
         raise NotImplementedError
 
 
+CPU_OFFLOAD_NEEDS_FSDP = (
+    "trainer_config.fsdp_cpu_offload=true keeps FSDP's shards in CPU memory instead of GPU "
+    "memory: it needs parallel=fsdp on GPUs; set fsdp_cpu_offload=false"
+)
+
+
 def check_no_foreign_options(plan) -> None:
     """Options of the grid's data parallelism (FSDP's CPU offload, DDP's star hook), set under an
     engine where they would do nothing: refused, naming the layout they belong to."""
     if plan.cpu_offload:
-        raise ConfigError(
-            "trainer_config.fsdp_cpu_offload=true keeps FSDP's shards in CPU memory instead "
-            "of GPU memory: it needs parallel=fsdp on GPUs; set fsdp_cpu_offload=false"
-        )
+        raise ConfigError(CPU_OFFLOAD_NEEDS_FSDP)
     if plan.grad_reduce == "via_rank0":
         raise ConfigError(
             "trainer_config.grad_reduce=via_rank0 is a DDP communication hook; use parallel=ddp"
