@@ -16,13 +16,12 @@ DeepSpeed's engine does what single.py's step does by hand: the backward pass (s
 gradient accumulation), gradient reduction, clipping and the optimizer step. Everything else
 (data order, schedule, evaluation cadence, metrics, signals, snapshots) is the Trainer's.
 
-Snapshots: the engine's save_checkpoint writes each rank's partition into a local staging
-directory, and SnapshotStore.save_files stores and commits those files like DCP shards
-(manifest with checksums, atomic commit, keep-last-N, any storage), by the rules of the
-"deepspeed" layout (mingpt_ddp/snapshots/layouts.py). DeepSpeed's files are partitioned by rank,
-so a snapshot resumes at the world size and ZeRO stage that wrote it; `python -m
-mingpt_ddp.snapshots consolidate` turns one into a single fp32 file (for sample.py, or to start a
-run of another shape).
+Snapshots: one format for every layout (state.py). The engine's state goes in and out by the
+whole model's parameter names through deepspeed.utils (zero_state.py), written by rank 0 as one
+file, like DDP's: any layout resumes a ZeRO run's snapshot, and a ZeRO run of any stage and world
+size resumes any layout's. Snapshots written by DeepSpeed's own save_checkpoint before (the
+"deepspeed" layout, per-rank partitions) still resume here at the stage and world size that wrote
+them; `python -m mingpt_ddp.snapshots consolidate` turns one into a single fp32 file.
 """
 
 from __future__ import annotations
@@ -42,8 +41,10 @@ import torch.nn as nn
 from mingpt_ddp.config.deepspeed import DeepSpeedConfig
 from mingpt_ddp.errors import ConfigError, SnapshotMismatch
 from mingpt_ddp.optim import build_optimizers, check_muon_supported, state_tensors
+from mingpt_ddp.parallel import zero_state
 from mingpt_ddp.parallel.checkpointing import apply_activation_checkpointing
 from mingpt_ddp.parallel.plan import local_bytes
+from mingpt_ddp.parallel.state import load_target
 from mingpt_ddp.parallel.strategy import (
     Batch,
     Strategy,
@@ -55,6 +56,8 @@ from mingpt_ddp.runtime.distributed import print0
 # DeepSpeed's checkpoint tag: the sub-directory of the staging directory its files go in (the
 # same name as the snapshot layout's subdir, mingpt_ddp/snapshots/layouts.py's DEEPSPEED_TAG).
 TAG = "zero"
+# What DeepSpeed's DynamicLossScaler changes as it runs (deepspeed/runtime/fp16/loss_scaler.py).
+SCALER_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
 
 def import_deepspeed(device: torch.device):
@@ -114,7 +117,7 @@ def engine_config(
 class DeepSpeedStrategy(Strategy):
     """DeepSpeed's engine as a parallel mode: it wraps the model and owns the whole step."""
 
-    files = "deepspeed"  # its engine's files (mingpt_ddp/snapshots/layouts.py reads them)
+    old_files = "deepspeed"  # the engine's own files, as DeepSpeed snapshots were written before
     amp_words = "{dtype} parameters, fp32 master weights (DeepSpeed)"
 
     def __init__(self, model: nn.Module, args: StrategyArgs):
@@ -126,6 +129,11 @@ class DeepSpeedStrategy(Strategy):
             model, self.plan.activation_checkpointing
         )
         self.optimizers = build_optimizers(model, args.optim, self.device.type)  # [AdamW]
+        # What snapshots need of the model before ZeRO flattens (and under stage 3 partitions) it:
+        # each group's parameter names, each parameter's shape.
+        names = {id(p): name for name, p in model.named_parameters()}
+        self.groups = [[names[id(p)] for p in g["params"]] for g in self.optimizers[0].param_groups]
+        self.shapes = {name: p.shape for name, p in model.named_parameters()}
         deepspeed = import_deepspeed(self.device)
         amp = self.plan.amp_dtype if self.plan.use_amp else None
         config = engine_config(
@@ -170,6 +178,14 @@ class DeepSpeedStrategy(Strategy):
                 "trainer_config.amp_dtype=bf16"
             )
 
+    def begin_step(self, step: int, n_micro: int) -> None:
+        """A run resumed at another world size keeps its global batch with more or fewer
+        micro-steps per step (TrainState): the engine is told, or it would update after each of
+        the micro-steps it was built for."""
+        if self.engine.gradient_accumulation_steps() != n_micro:
+            self.engine.set_train_batch_size(self.args.batch_size * n_micro * self.ctx.world_size)
+        return None
+
     def engine_step(self, batches: Iterator[Batch], n_micro: int) -> tuple[torch.Tensor, bool]:
         """The engine divides each micro-step's loss by the accumulation steps and counts them: its
         step() reduces gradients, clips and updates only after the last."""
@@ -200,22 +216,31 @@ class DeepSpeedStrategy(Strategy):
         return local_bytes(state_tensors([self.engine.optimizer.optimizer]))  # ZeRO's wraps torch's
 
     def snapshot_meta(self) -> dict:
-        return {**super().snapshot_meta(), "deepspeed": {"zero_stage": self.cfg.zero_stage}}
+        """The ZeRO stage (read by the old per-rank files' checks), and fp16's dynamic loss scale:
+        DeepSpeed's own scaler, which a resumed run takes up where it was."""
+        scaler = self.engine.optimizer.loss_scaler
+        kept = {k: getattr(scaler, k) for k in SCALER_STATE} if scaler.dynamic else {}
+        return {
+            **super().snapshot_meta(),
+            "deepspeed": {"zero_stage": self.cfg.zero_stage, "loss_scaler": kept},
+        }
+
+    def load_snapshot_meta(self, meta: dict) -> None:
+        scaler = self.engine.optimizer.loss_scaler
+        for key, value in ((meta.get("deepspeed") or {}).get("loss_scaler") or {}).items():
+            if scaler.dynamic:  # a static scale (fp32, bf16) stays 1
+                setattr(scaler, key, value)
 
     def check_snapshot(self, snapshot, where: str) -> None:
-        """DeepSpeed's files are its engine's, partitioned per rank: they resume with DeepSpeed, at
-        the same ZeRO stage and world size; other modes' snapshots do not load into the engine."""
+        """Any layout's snapshot resumes here; one of DeepSpeed's own files only at the ZeRO stage
+        and world size that wrote it (its files are partitioned per rank)."""
+        if snapshot.kind != self.old_files:
+            return
         meta, stage = snapshot.meta, self.cfg.zero_stage
-        if snapshot.kind != self.files:
-            parallel = meta["config"]["trainer_config"]["parallel"]
-            raise SnapshotMismatch(
-                f"{where} was written by parallel={parallel}, which DeepSpeed cannot "
-                "load; resume with that, or use another trainer_config.run_dir"
-            )
         if meta["deepspeed"]["zero_stage"] != stage:
             saved = meta["deepspeed"]["zero_stage"]
             raise SnapshotMismatch(
-                f"{where} was written by DeepSpeed ZeRO-{saved}; resume with "
+                f"{where} holds DeepSpeed ZeRO-{saved}'s own files; resume with "
                 f"deepspeed_config.zero_stage={saved}"
             )
         if meta["world_size"] != self.ctx.world_size:
@@ -226,21 +251,28 @@ class DeepSpeedStrategy(Strategy):
                 "or export its weights with python -m mingpt_ddp.snapshots consolidate"
             )
 
-    def read_tensors(self, snapshot) -> dict:
-        """Collective: every rank loads its partition from the staged files (all the snapshot's
-        files, checked against the manifest and by the layout's weights-only check when staged
-        them)."""
-        path, _ = self.engine.load_checkpoint(
-            snapshot.directory, tag=TAG, load_lr_scheduler_states=False
-        )
-        if path is None:
-            raise RuntimeError(
-                f"DeepSpeed could not load the snapshot staged in {snapshot.directory}"
-            )
-        return {}  # the engine holds them now
+    def tensor_state(self) -> dict:
+        """Collective: the whole model's and optimizer's state by name, on every rank."""
+        return zero_state.whole_state(self.engine.optimizer, self.model, self.groups)
 
-    def write_files(self, stage: str) -> str:
-        """Collective: every rank writes its partition's files into stage/TAG/, which it returns."""
-        os.makedirs(os.path.join(stage, TAG), exist_ok=True)
-        self.engine.save_checkpoint(stage, tag=TAG, save_latest=False)
-        return os.path.join(stage, TAG)
+    def read_tensors(self, snapshot) -> dict:
+        """Whole tensors from any layout's snapshot; DeepSpeed's own files (collective) straight
+        into the engine."""
+        if snapshot.kind == self.old_files:
+            return self.load_engine_files(snapshot.directory)
+        if not snapshot.reshardable:
+            return snapshot.tensors()  # one file: whole already
+        target = zero_state.blank_target(self.shapes)
+        return snapshot.tensors(into=load_target(target, self.model.config.tie_embeddings))
+
+    def load_tensor_state(self, state: dict) -> None:
+        if "model" in state:  # else the engine read its own files
+            zero_state.load_whole_state(self.engine.optimizer, self.model, state)
+
+    def load_engine_files(self, directory: str) -> dict:
+        """Collective: every rank loads its partition from DeepSpeed's staged files (checked
+        against the manifest, and by the layout's weights-only check, as they were staged)."""
+        path, _ = self.engine.load_checkpoint(directory, tag=TAG, load_lr_scheduler_states=False)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load the snapshot staged in {directory}")
+        return {}  # the engine holds them now

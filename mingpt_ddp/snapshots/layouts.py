@@ -5,7 +5,8 @@
                HSDP, tensor and context parallel, pipelines); resharded into any layout on load
     pipeline   the same DCP files, as pipelines wrote them before one format served every layout
                (read only; the optimizer's groups were keyed per name)
-    deepspeed  DeepSpeed's engine files, partitioned per rank: they resume with DeepSpeed at the
+    deepspeed  DeepSpeed's engine files, partitioned per rank, as DeepSpeed runs wrote them
+               before they joined the one format (read only): they resume with DeepSpeed at the
                ZeRO stage and world size that wrote them; their weights read anywhere
 
 The store is handed these (SnapshotReader's default). Nothing here imports the parallelisms: the
@@ -100,8 +101,9 @@ def deepspeed_weights(stage: str) -> dict[str, torch.Tensor]:
 def _deepspeed_refusal(meta: dict) -> str:
     stage = meta["deepspeed"]["zero_stage"]
     return (
-        f"was written by DeepSpeed ZeRO-{stage}; resume with trainer_config.parallel=deepspeed "
-        f"deepspeed_config.zero_stage={stage}, or export its weights with python -m "
+        f"holds DeepSpeed ZeRO-{stage}'s own per-rank files; resume it once with "
+        f"trainer_config.parallel=deepspeed deepspeed_config.zero_stage={stage} and the ranks that "
+        "wrote it (its next snapshot any layout resumes), or export its weights with python -m "
         "mingpt_ddp.snapshots consolidate"
     )
 
