@@ -27,6 +27,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAIN = os.path.join(REPO, "main.py")
+RANKS = os.path.join(REPO, "benchmarks", "ranks.py")  # a job's ranks without torchrun's agent
 
 # A model small enough that a real multi-process run takes seconds on 2 cores, as Hydra overrides.
 TINY_MODEL = {
@@ -88,15 +89,19 @@ def main_command(
     torchrun_flags: tuple[str, ...] = (),
     script: str = MAIN,
     torchrun: bool | None = None,
+    agent: bool = True,
 ) -> list[str]:
     """`python SCRIPT OVERRIDES` for one plain process, or `torchrun --standalone --nproc_per_node=N
     --master_port P FLAGS SCRIPT OVERRIDES` (torchrun as `python -m torch.distributed.run`, the same
     program). torchrun defaults to nproc > 1 or any flags; a port of its own per job, so that jobs
-    started at once never meet on torchrun's default port."""
+    started at once never meet on torchrun's default port. agent=False (and no torchrun flags):
+    the same ranks started by ranks.py, without torchrun's agent process (ranks.py says why)."""
     if torchrun is None:
         torchrun = nproc > 1 or bool(torchrun_flags)
     if not torchrun:
         return [sys.executable, str(script), *overrides]
+    if not agent and not torchrun_flags:
+        return [sys.executable, RANKS, str(nproc), str(script), *overrides]
     return [
         sys.executable,
         "-m",
@@ -153,11 +158,12 @@ def run_main(
     cwd=REPO,
     env: dict | None = None,
     script: str = MAIN,
+    agent: bool = False,
 ) -> subprocess.CompletedProcess:
-    """Run main.py (or a stand-in script) in one process (nproc=0) or under torchrun with nproc
-    ranks."""
+    """Run main.py (or a stand-in script) in one process (nproc=0) or as a job of nproc ranks:
+    started by ranks.py, or with agent=True under torchrun (for what tests torchrun itself)."""
     return run(
-        main_command(nproc, args, script=script, torchrun=nproc > 0),
+        main_command(nproc, args, script=script, torchrun=nproc > 0, agent=agent),
         env=env,
         cwd=cwd,
         timeout=timeout,
@@ -203,10 +209,12 @@ def start_main(
     env: dict | None = None,
     script: str = MAIN,
     torchrun_flags: tuple[str, ...] = (),
+    agent: bool = False,
 ) -> subprocess.Popen:
     """Start main.py (or a stand-in script) like run_main, without waiting: its output in one
-    pipe."""
-    return start(main_command(nproc, args, torchrun_flags, script, torchrun=nproc > 0), env=env)
+    pipe. torchrun_flags imply torchrun's agent."""
+    command = main_command(nproc, args, torchrun_flags, script, torchrun=nproc > 0, agent=agent)
+    return start(command, env=env)
 
 
 def wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 180) -> list[str]:
