@@ -35,7 +35,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,7 +48,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import hardware  # noqa: E402
+from benchmarks.common import RANKS, hardware  # noqa: E402
 from benchmarks.formulas import activation_bytes, bubble, param_bytes, sent_bytes  # noqa: E402
 from benchmarks.probes import SavedBytes, StageClock  # noqa: E402
 
@@ -226,48 +225,24 @@ def reference(size: dict, G: int) -> dict:
     return {"losses": losses, "saved": saved.peak}
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now (torchrun --standalone's way)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_layout(layout: dict, size: dict) -> list[dict]:
-    """Every rank's numbers for one layout: one process of this file per rank, started as
-    torchrun starts its workers (RANK, WORLD_SIZE, MASTER_ADDR/PORT) but without its agent, an
-    extra process importing torch per layout; one failing rank ends the others, as torchrun's
-    agent would."""
+    """Every rank's numbers for one layout: this file's worker() in each rank of a job started by
+    ranks.py (as torchrun starts its workers, forked from one process that imported torch once;
+    one failing rank ends the others)."""
     nproc = math.prod(layout[k] for k in DEGREES)
     with tempfile.TemporaryDirectory() as out:
         env = dict(os.environ, PARALLELISMS_LAYOUT=json.dumps([layout, size]), PARALLELISMS_OUT=out)
-        env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        env.update(WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
-        logs = [open(Path(out) / f"rank{r}.log", "w+") for r in range(nproc)]
-        workers = [
-            subprocess.Popen(
-                [sys.executable, __file__],
-                env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+        with open(Path(out) / "ranks.log", "w+") as log:
+            job = subprocess.run(
+                [sys.executable, RANKS, str(nproc), __file__],
+                env=env,
                 cwd=REPO,
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
-            for r, log in enumerate(logs)
-        ]
-        while any(w.poll() is None for w in workers):
-            if any(w.returncode for w in workers):  # one failed: the rest would wait forever
-                for w in workers:
-                    if w.poll() is None:
-                        w.kill()
-            time.sleep(0.05)
-        # The rank that failed first among those not killed here (exit code > 0).
-        failed = sorted((w.returncode < 0, r) for r, w in enumerate(workers) if w.returncode)
-        if failed:
-            r = failed[0][1]
-            logs[r].seek(0)
-            sys.exit(f"{layout}: rank {r} exit {workers[r].returncode}\n{logs[r].read()[-3000:]}")
-        for log in logs:
-            log.close()
+            if job.returncode:
+                log.seek(0)
+                sys.exit(f"{layout}: a rank failed\n{log.read()[-3000:]}")
         return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 

@@ -90,9 +90,10 @@ def main(nproc: int, script: str, args: list[str]) -> int:
     # What every rank imports, imported once: torch, Hydra and the package (main), the grid's
     # layouts (loaded by name when the strategy is built), and torch's compiler, which the first
     # optimizer a rank builds imports (torch.optim's add_param_group is wrapped by _disable_dynamo).
+    import torch._dynamo  # noqa: F401
+
     import main  # noqa: F401
     import mingpt_ddp.parallel.grid  # noqa: F401
-    import torch._dynamo  # noqa: F401
 
     with socket.socket() as s:  # a free port for rank 0's store
         s.bind(("127.0.0.1", 0))

@@ -47,7 +47,9 @@ def test_the_stall_report_names_a_sigstopped_rank_within_the_configured_time(sha
     args = tiny_overrides(
         shakespeare, tmp_path, max_steps=100000, log_every=1, stall_report_s=after
     )  # fmt: skip
-    job = start_main(args + ["trainer_config.collective_timeout_s=60"], nproc=2)
+    # Under torchrun: the report finds the ranks by the RANK in each one's /proc environ, which a
+    # rank forked by ranks.py does not show (it sets RANK after the fork, not at exec).
+    job = start_main(args + ["trainer_config.collective_timeout_s=60"], nproc=2, agent=True)
     try:
         wait_for_line(job, "step      5/", timeout=120)
         os.kill(worker_pid(job.pid, 1), signal.SIGSTOP)
