@@ -161,13 +161,18 @@ def run_main(
     agent: bool = False,
 ) -> subprocess.CompletedProcess:
     """Run main.py (or a stand-in script) in one process (nproc=0) or as a job of nproc ranks:
-    started by ranks.py, or with agent=True under torchrun (for what tests torchrun itself)."""
-    return run(
-        main_command(nproc, args, script=script, torchrun=nproc > 0, agent=agent),
-        env=env,
-        cwd=cwd,
-        timeout=timeout,
-    )
+    started by ranks.py, or with agent=True under torchrun (for what tests torchrun itself).
+    Without the agent the job is forked from this process's fork server (forkserver.py says why),
+    unless its PYTHON* variables differ from the server's."""
+    command = main_command(nproc, args, script=script, torchrun=nproc > 0, agent=agent)
+    if command[1] != "-m":
+        if REPO not in sys.path:
+            sys.path.insert(0, REPO)
+        from benchmarks.forkserver import run_forked, served
+
+        if served(job_env(env), job_env()):
+            return run_forked(command, job_env(env), cwd, timeout, job_env())
+    return run(command, env=env, cwd=cwd, timeout=timeout)
 
 
 def sweep(

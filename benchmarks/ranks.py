@@ -48,16 +48,27 @@ def rank_env(rank: int, nproc: int, port: int) -> dict:
 
 
 def run_rank(env: dict, script: str, args: list[str], path: list[str]) -> None:
-    """In the forked child: this rank's environment, then SCRIPT as __main__ with the import path
-    `python SCRIPT` would have; never returns."""
+    """In the forked child: this rank's environment, then SCRIPT; never returns."""
+    os.environ.update(env)
+    run_script([script, *args], path)
+
+
+def run_script(argv: list[str], path: list[str]) -> None:
+    """Run `python ARGV` (a script, or `-m MODULE`) in this process as the interpreter would, with
+    the import path it would have (the script's folder first, then `path`), then exit with its
+    status; never returns."""
     code = 0
     try:
-        os.environ.update(env)
-        sys.argv = [script, *args]
-        sys.path[:] = [os.path.dirname(os.path.abspath(script)), *path]
-        runpy.run_path(script, run_name="__main__")
+        if argv[0] == "-m":
+            sys.argv, sys.path[:] = argv[1:], [os.getcwd(), *path]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv, sys.path[:] = argv, [os.path.dirname(os.path.abspath(argv[0])), *path]
+            runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int | None):
+            print(e.code, file=sys.stderr)  # sys.exit("message"), as the interpreter prints it
     except BaseException:  # noqa: BLE001 - reported as python would, then a failed exit
         traceback.print_exc()
         code = 1
@@ -65,6 +76,20 @@ def run_rank(env: dict, script: str, args: list[str], path: list[str]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def preload() -> None:
+    """What every rank imports, imported once: torch, Hydra and the package (main), the grid's
+    layouts (loaded by name when the strategy is built), and torch's compiler, which the first
+    optimizer a rank builds imports (torch.optim's add_param_group is wrapped by
+    _disable_dynamo). OMP_NUM_THREADS is read as OpenMP loads, with torch: set before."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    import torch._dynamo  # noqa: F401
+
+    import main  # noqa: F401
+    import mingpt_ddp.parallel.grid  # noqa: F401
 
 
 def stop(running: set[int], sig: int = signal.SIGTERM) -> None:
@@ -84,17 +109,8 @@ def stop(running: set[int], sig: int = signal.SIGTERM) -> None:
 
 
 def main(nproc: int, script: str, args: list[str]) -> int:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     path = sys.path[1:]  # without this script's folder
-    sys.path.insert(0, REPO)
-    # What every rank imports, imported once: torch, Hydra and the package (main), the grid's
-    # layouts (loaded by name when the strategy is built), and torch's compiler, which the first
-    # optimizer a rank builds imports (torch.optim's add_param_group is wrapped by _disable_dynamo).
-    import torch._dynamo  # noqa: F401
-
-    import main  # noqa: F401
-    import mingpt_ddp.parallel.grid  # noqa: F401
-
+    preload()
     with socket.socket() as s:  # a free port for rank 0's store
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
