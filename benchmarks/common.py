@@ -96,12 +96,10 @@ def main_command(
     program). torchrun defaults to nproc > 1 or any flags; a port of its own per job, so that jobs
     started at once never meet on torchrun's default port. agent=False (and no torchrun flags):
     the same ranks started by ranks.py, without torchrun's agent process (ranks.py says why)."""
-    if torchrun is None:
-        torchrun = nproc > 1 or bool(torchrun_flags)
-    if not torchrun:
-        return [sys.executable, str(script), *overrides]
-    if not agent and not torchrun_flags:
-        return [sys.executable, RANKS, str(nproc), str(script), *overrides]
+    torchrun = nproc > 1 or bool(torchrun_flags) if torchrun is None else torchrun
+    if not torchrun or (not agent and not torchrun_flags):
+        ranks = [RANKS, str(nproc)] if torchrun else []
+        return [sys.executable, *ranks, str(script), *overrides]
     return [
         sys.executable,
         "-m",
@@ -162,17 +160,21 @@ def run_main(
 ) -> subprocess.CompletedProcess:
     """Run main.py (or a stand-in script) in one process (nproc=0) or as a job of nproc ranks:
     started by ranks.py, or with agent=True under torchrun (for what tests torchrun itself).
-    Without the agent the job is forked from this process's fork server (forkserver.py says why),
-    unless its PYTHON* variables differ from the server's."""
+    Without the agent the job is forked from this process's fork server (run_python)."""
     command = main_command(nproc, args, script=script, torchrun=nproc > 0, agent=agent)
-    if command[1] != "-m":
-        if REPO not in sys.path:
-            sys.path.insert(0, REPO)
-        from benchmarks.forkserver import run_forked, served
+    return run_python(command, env=env, cwd=cwd, timeout=timeout)
 
-        if served(job_env(env), job_env()):
-            return run_forked(command, job_env(env), cwd, timeout, job_env())
-    return run(command, env=env, cwd=cwd, timeout=timeout)
+
+def run_python(
+    cmd: list, env: dict | None = None, cwd=REPO, timeout: float = 240
+) -> subprocess.CompletedProcess:
+    """run(cmd), forked from this process's fork server if it is a `python SCRIPT ARGS` whose
+    PYTHON* variables are the server's (forkserver.py says why)."""
+    sys.path += [] if REPO in sys.path else [REPO]
+    from benchmarks.forkserver import run_forked
+
+    forked = run_forked(cmd, job_env(env), cwd, timeout, job_env())
+    return forked if forked is not None else run(cmd, env=env, cwd=cwd, timeout=timeout)
 
 
 def sweep(

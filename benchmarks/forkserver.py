@@ -84,6 +84,11 @@ def server_path(env: dict) -> str:
     return _SERVER[1]
 
 
+def server_pid() -> int | None:
+    """This process's server, if it started one (a test's clean-up must leave it running)."""
+    return _SERVER[0].pid if _SERVER else None
+
+
 def served(env: dict, server_env: dict) -> bool:
     """Whether a job with env can be forked from a server started with server_env: the
     interpreter reads its PYTHON* variables once, at start (the import path, warnings, hash
@@ -94,10 +99,13 @@ def served(env: dict, server_env: dict) -> bool:
 
 def run_forked(
     cmd: list, env: dict, cwd, timeout: float, server_env: dict
-) -> subprocess.CompletedProcess:
-    """subprocess.run(cmd, capture_output=True, text=True) for `python ARGV`, forked from the
-    server (started with server_env): the same exit status and output; after `timeout` the
-    job's session is killed."""
+) -> subprocess.CompletedProcess | None:
+    """subprocess.run(cmd, capture_output=True, text=True) for `python SCRIPT ARGS`, forked from
+    the server (started with server_env): the same exit status and output; after `timeout` the
+    job's session is killed. None for a command it cannot serve (not such a command, or other
+    PYTHON* variables)."""
+    if cmd[0] != sys.executable or str(cmd[1]) == "-m" or not served(env, server_env):
+        return None
     with (
         tempfile.TemporaryFile("w+") as out,
         tempfile.TemporaryFile("w+") as err,

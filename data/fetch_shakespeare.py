@@ -18,11 +18,8 @@ import sys
 import urllib.request
 
 # The usual public copy; TINYSHAKESPEARE_URL points elsewhere (a mirror, or file:///... on offline
-# machines).
-URL = os.environ.get(
-    "TINYSHAKESPEARE_URL",
-    "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt",
-)
+# machines), read when a fetch starts (not at import: the environment is the caller's then).
+URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SIZE = 1_115_394
 SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 DEFAULT_PATH = os.path.join(
@@ -43,12 +40,13 @@ def _read_source(source: str, timeout_s: float) -> bytes:
 
 
 def ensure_tinyshakespeare(
-    dest: str = DEFAULT_PATH, source: str = URL, timeout_s: float = 20.0
+    dest: str = DEFAULT_PATH, source: str | None = None, timeout_s: float = 20.0
 ) -> str:
-    """Make sure `dest` holds tiny Shakespeare, fetching it from `source` (URL or local file) if
-    missing."""
+    """Make sure `dest` holds tiny Shakespeare, fetching it from `source` (URL or local file;
+    default: $TINYSHAKESPEARE_URL, else URL) if missing."""
     if os.path.exists(dest):
         return dest
+    source = source or os.environ.get("TINYSHAKESPEARE_URL", URL)
     try:
         data = _read_source(source, timeout_s)
     except OSError as e:
@@ -68,7 +66,9 @@ def ensure_tinyshakespeare(
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--source", default=URL, help="URL or local file to take the corpus from")
+    parser.add_argument(
+        "--source", help="URL or local file to take the corpus from (default: $TINYSHAKESPEARE_URL)"
+    )
     parser.add_argument("--dest", default=DEFAULT_PATH, help="where to write it")
     args = parser.parse_args()
     try:
@@ -76,7 +76,7 @@ def main() -> int:
     except (FetchError, OSError) as e:
         hint = (
             "; offline, copy input.txt here by hand or pass --source /path/to/input.txt"
-            if args.source == URL
+            if (args.source or os.environ.get("TINYSHAKESPEARE_URL", URL)) == URL
             else ""
         )
         print(f"error: {e}{hint}", file=sys.stderr)

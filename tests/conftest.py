@@ -61,6 +61,7 @@ from benchmarks.common import (  # noqa: E402 - needs REPO on sys.path first
     main_command,
     run,
     run_main,
+    run_python,
     start,
     start_main,
     sweep,
@@ -85,6 +86,7 @@ __all__ = [
     "main_command",
     "run",
     "run_main",
+    "run_python",
     "start",
     "start_main",
     "sweep",
@@ -248,9 +250,12 @@ def bucket(s3, request, monkeypatch):
 def no_stray_processes():
     """After each test, kill what it left running (a job that timed out, a killed launcher's
     workers), so one failure cannot leave processes competing with the rest of the suite.
-    Servers shared by several tests (moto_server) are left to their fixtures."""
+    Servers shared by several tests (moto_server) are left to their fixtures, and the fork server
+    (benchmarks/forkserver.py) to the end of the session."""
     yield
-    for pid in descendants(os.getpid()):
+    from benchmarks.forkserver import server_pid
+
+    for pid in set(descendants(os.getpid())) - {server_pid()}:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 if b"moto_server" in f.read():

@@ -20,7 +20,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY_MODEL, free_port, run
+from conftest import REPO, TINY_MODEL, free_port, run_python
 
 from mingpt_ddp.config.schema import sections
 
@@ -257,7 +257,8 @@ def test_runnable_readme_commands_run_in_order(shakespeare, tmp_path):
             command = rewrite(words, tmp_path)
             if command is None:
                 continue
-            result = run(command, env=env, cwd=tmp_path, timeout=300)
+            # `python ...` forked from a server that imported torch once (forkserver.py)
+            result = run_python(command, env=env, cwd=tmp_path, timeout=300)
             assert result.returncode == 0, (
                 f"{' '.join(words)}\n{result.stdout[-1500:]}\n{result.stderr[-3000:]}"
             )
