@@ -9,7 +9,9 @@ import os
 import sys
 
 import pytest
-from conftest import MAIN, free_port, run, tiny_overrides
+from conftest import MAIN, free_port, run, run_main, tiny_overrides
+
+from mingpt_ddp.metrics import MetricsLog
 
 pytestmark = pytest.mark.slow
 
@@ -84,3 +86,21 @@ def test_the_deepspeed_launcher_starts_two_cpu_ranks(shakespeare, tmp_path):
         in out
     )
     assert "done | step 10" in out and out.count("done | step") == 1
+
+
+def test_the_suites_own_launcher_runs_a_job_as_python_and_torchrun_would(shakespeare, tmp_path):
+    """run_main starts jobs that are not about a launcher from the fork server (a process that
+    imported torch once) and their ranks with ranks.py (without torchrun's agent): a job's exit
+    status and output are a fresh interpreter's, and a 2-rank job trains what torchrun's does."""
+    bad = tiny_overrides(shakespeare, tmp_path / "bad") + ["trainer_config.bogus=1"]
+    fresh, forked = run([sys.executable, MAIN, *bad]), run_main(bad)
+    assert forked.returncode == fresh.returncode == 1
+    assert (forked.stdout, forked.stderr) == (fresh.stdout, fresh.stderr)
+    losses = {}
+    for agent in (True, False):
+        run_dir = tmp_path / f"agent-{agent}"
+        args = tiny_overrides(shakespeare, run_dir, max_steps=6, log_every=1, save_every=3)
+        assert run_main(args, nproc=2, agent=agent).returncode == 0
+        records = MetricsLog.read(str(run_dir / "metrics.jsonl"))
+        losses[agent] = [r["train_loss"] for r in records if "train_loss" in r]
+    assert len(losses[True]) == 6 and losses[False] == losses[True]

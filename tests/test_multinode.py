@@ -8,6 +8,7 @@ directory is shared (like NFS), and only global rank 0 writes to it.
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -38,10 +39,26 @@ def start_agent(cmd, prefix=()) -> subprocess.Popen:
     return start([*prefix, *cmd])
 
 
-def run_two_agents(make_cmd, timeout=180) -> tuple[str, str]:
-    """Start node 0 (which hosts the rendezvous store), then node 1; return both outputs."""
+def hosting(agent: subprocess.Popen, endpoint: str, timeout: float = 60) -> None:
+    """Wait until agent (node 0) serves the rendezvous store at endpoint: the agent that binds the
+    port first hosts it, and the test loses node 1, never the host."""
+    host, port = endpoint.split(":")
+    deadline = time.monotonic() + timeout
+    while agent.poll() is None and time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise AssertionError(f"node 0 does not serve the rendezvous store at {endpoint}")
+
+
+def run_two_agents(make_cmd, endpoint=None, timeout=180) -> tuple[str, str]:
+    """Start node 0 (which hosts the rendezvous store, once it does: endpoint), then node 1;
+    return both outputs."""
     first = start_agent(*make_cmd(0))
-    time.sleep(0.5)
+    if endpoint is not None:  # else the command says who hosts (is_host)
+        hosting(first, endpoint)
     second = start_agent(*make_cmd(1))
     outs = [p.communicate(timeout=timeout)[0] for p in (first, second)]
     assert [first.returncode, second.returncode] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
@@ -55,10 +72,10 @@ def test_two_agents_on_loopback_train_snapshot_and_resume(shakespeare, tmp_path)
         args = tiny_overrides(shakespeare, tmp_path, max_steps=max_steps, save_every=10)
         return lambda node: (agent_cmd(endpoint, "2", *args),)
 
-    out0, out1 = run_two_agents(make(10))
+    out0, out1 = run_two_agents(make(10), endpoint)
     assert "world size 4 | backend gloo" in out0 and "snapshot | step 10" in out0
     assert "snapshot |" not in out1  # node 1 has no global rank 0: it never writes
-    out0, _ = run_two_agents(make(20))
+    out0, _ = run_two_agents(make(20), endpoint)
     assert (
         "resume | step 10 | epoch 0 | 160 samples into the epoch | saved at world size 4, now 4"
         in out0
@@ -78,7 +95,7 @@ def test_elastic_job_loses_a_node_and_finishes_at_the_smaller_world_size(shakesp
         "--rdzv-conf=last_call_timeout=5,join_timeout=60,keep_alive_interval=1",
     )
     node0 = start_agent(agent_cmd(endpoint, "1:2", *args, extra=elastic))
-    time.sleep(0.5)
+    hosting(node0, endpoint)
     node1 = start_agent(agent_cmd(endpoint, "1:2", *args, extra=elastic))
     out = lose_a_node(node0, node1, after="snapshot | step 40")
     assert "world size 4 |" in out  # before the loss
