@@ -328,8 +328,11 @@ def main() -> None:
     )
     p.add_argument("--out", help="write the JSON here (and the markdown table beside it, .md)")
     p.add_argument("--only", help='comma-separated layouts to run (e.g. "dp2 ddp,pp2 1f1b m=2")')
+    p.add_argument("--steps", type=int, help="steps per layout, at least 4 (the tests run fewer)")
     args = p.parse_args()
     size = SIZES["quick" if args.quick else "full"]
+    if args.steps:  # the counted step is the third; a pipeline's bubble is timed on those after
+        size = {**size, "steps": max(4, args.steps)}
     t0, expected, rows = time.perf_counter(), {}, []
     chosen = [w.strip() for w in args.only.split(",")] if args.only else None
     for layout in layouts(size):

@@ -50,6 +50,7 @@ share_the_cores()
 
 from benchmarks.common import (  # noqa: E402 - needs REPO on sys.path first
     MAIN,
+    RANKS,
     TINY,
     TINY_MODEL,
     MotoServer,
@@ -75,6 +76,7 @@ from benchmarks.common import (  # noqa: E402 - needs REPO on sys.path first
 
 __all__ = [
     "MAIN",
+    "RANKS",
     "REPO",
     "TINY",
     "TINY_MODEL",
@@ -159,14 +161,14 @@ def ddp_reference(shakespeare, tmp_path_factory):
 
 
 def parallelisms(out_dir: Path, only: str) -> tuple[dict, Path]:
-    """benchmarks/parallelisms.py --quick on the layouts named in `only` (comma-separated): its
-    rows keyed by layout (exactly those, each with the grid's five degrees, within 1e-4 of one
+    """benchmarks/parallelisms.py --quick (6 steps) on the layouts named in `only` (a comma list):
+    its rows keyed by layout (exactly those, each with the grid's five degrees, within 1e-4 of one
     process's losses, and every rank sending the bytes its formula predicts), and the path of
     its JSON report (the markdown table beside it)."""
     out = out_dir / "parallelisms.json"
     script = str(REPO / "benchmarks" / "parallelisms.py")
     result = subprocess.run(
-        [sys.executable, script, "--quick", "--out", str(out), "--only", only],
+        [sys.executable, script, "--quick", "--steps", "6", "--out", str(out), "--only", only],
         capture_output=True,
         text=True,
         timeout=600,
