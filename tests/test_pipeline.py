@@ -115,8 +115,10 @@ def test_the_settings_a_pipeline_cannot_run_are_refused_naming_the_fix():
     with pytest.raises(ConfigError, match="at least as many microbatches as stages"):
         PipelineConfig(degree=4, schedule="1f1b", microbatches=2)
     PipelineConfig(degree=4, schedule="gpipe", microbatches=2)  # GPipe runs any count
-    with pytest.raises(ConfigError, match="make pipeline_config.microbatches a multiple of 2"):
+    with pytest.raises(ConfigError, match="in 2 equal rounds .* a multiple of 2, or below 4"):
         PipelineConfig(degree=2, schedule="interleaved1f1b", microbatches=5)
+    PipelineConfig(degree=2, schedule="interleaved1f1b", microbatches=3)  # one round (torch's rule)
+    PipelineConfig(degree=4, schedule="interleaved1f1b", microbatches=10)  # 2 rounds of 5
     with pytest.raises(ConfigError, match="schedule must be gpipe, 1f1b, interleaved1f1b"):
         PipelineConfig(schedule="zb")
     with pytest.raises(ConfigError, match="must divide the world size 3"):

@@ -49,8 +49,10 @@ class PipelineConfig:
         rounds = max(1, self.microbatches // self.degree)
         if self.schedule == "interleaved1f1b" and self.microbatches % rounds:
             raise ConfigError(
-                "pipeline_config.schedule=interleaved1f1b runs microbatches in rounds of "
-                f"{self.degree}: make pipeline_config.microbatches a multiple of {self.degree}"
+                f"pipeline_config.schedule=interleaved1f1b runs {self.microbatches} microbatches "
+                f"in {rounds} equal rounds (microbatches // degree), which they do not fill: make "
+                f"pipeline_config.microbatches a multiple of {self.degree}, or below "
+                f"{2 * self.degree}"
             )
 
     @property
