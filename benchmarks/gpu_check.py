@@ -51,6 +51,8 @@ LEARN = ["optimizer_config.learning_rate=1e-2", "optimizer_config.warmup_steps=5
 DDP, FSDP = "trainer_config.parallel=ddp", "trainer_config.parallel=fsdp"
 COMPILE = "trainer_config.compile=true"
 OFFLOAD, VIA_RANK0 = "trainer_config.fsdp_cpu_offload=true", "trainer_config.grad_reduce=via_rank0"
+AC, SAMPLE = "trainer_config.activation_checkpointing=full", "trainer_config.sample_chars=64"
+DS_OFFLOAD = ("deepspeed_config.offload_optimizer=true", "deepspeed_config.offload_params=true")
 PRECISION = {
     "fp32": ["trainer_config.use_amp=false"],
     "bf16": ["trainer_config.use_amp=true", "trainer_config.amp_dtype=bf16"],
@@ -81,6 +83,7 @@ def plan_rows(device: str, gpus: int, half: str) -> list[Row]:
     many = "" if not gpu or gpus >= 2 else "skipped: 1 GPU (NCCL needs a GPU per rank)"
     offload = "" if gpu else "skipped: needs a GPU (offload moves shards out of GPU memory)"
     ds = ("trainer_config.parallel=deepspeed", "deepspeed_config.zero_stage=2")
+    ds3 = ("trainer_config.parallel=deepspeed", "deepspeed_config.zero_stage=3")
     rows = [
         Row("one process fp32", "fp32", launcher="python"),
         Row(f"one process {half} autocast", half, launcher="python"),
@@ -100,6 +103,15 @@ def plan_rows(device: str, gpus: int, half: str) -> list[Row]:
         Row("torchrun x1 FSDP fp16 + GradScaler", "fp16", (FSDP,)),
         Row("torchrun x1 FSDP fp16 + CPU offload", "fp16", (FSDP, OFFLOAD), skip=offload),
         Row(f"torchrun x1 DeepSpeed ZeRO-2 {half}", half, ds),
+        Row(f"torchrun x1 DeepSpeed ZeRO-3 {half}", half, ds3),
+        Row(f"torchrun x1 DeepSpeed ZeRO-3 + offload {half}", half, ds3 + DS_OFFLOAD, skip=offload),
+        Row(f"one process activation checkpointing + {half}", half, (AC,), launcher="python"),
+        Row(
+            f"torchrun x1 FSDP + activation checkpointing + compile + {half}",
+            half,
+            (FSDP, AC, COMPILE),
+        ),
+        Row("one process sampling during training", "fp32", (SAMPLE,), launcher="python"),
         Row(f"torchrun x{n} DDP", "fp32", (DDP,), n, skip=many),
         Row(f"torchrun x{n} DDP, gradients via rank 0", "fp32", (DDP, VIA_RANK0), n, skip=many),
         Row(f"torchrun x{n} FSDP + {half}", half, (FSDP,), n, skip=many),
@@ -144,7 +156,7 @@ class Check:
 
     def args(self, row: Row, run_dir: str) -> list[str]:
         model = GPU_MODEL if self.device == "cuda" else [f"{k}={v}" for k, v in TINY_MODEL.items()]
-        return [
+        base = [
             *model,
             *LEARN,
             *PRECISION[row.precision],
@@ -159,6 +171,9 @@ class Check:
             f"trainer_config.save_every={self.steps}",
             f"trainer_config.eval_every={self.steps // 2}",
         ]
+        # A row's own setting of a key replaces the base's (Hydra refuses a key given twice)
+        mine = {o.split("=")[0] for o in row.overrides}
+        return [o for o in base if o.split("=")[0] not in mine or o in row.overrides]
 
     def command(self, row: Row, args: list[str], ranks: int, flags=()) -> list[str]:
         return main_command(ranks, args, tuple(flags), torchrun=row.launcher == "torchrun")

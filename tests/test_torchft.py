@@ -6,6 +6,7 @@ are Linux only)."""
 
 import math
 import re
+from datetime import timedelta
 
 import pytest
 import torch
@@ -53,6 +54,18 @@ def test_a_step_the_quorum_did_not_commit_is_neither_counted_nor_logged(shakespe
     trainer.strategy.reduce_gradients = third_rejected
     assert trainer._train_loop()
     assert calls == [0, 1, 2, 2, 3] and trainer.state.step == 4
+
+
+def test_a_heal_travels_through_host_memory_whatever_the_models_device():
+    """Gloo cannot send a CUDA tensor (an H200 said "writev: Bad address"): the heal's transport
+    is on the CPU even for a GPU run, and heal() copies into the model's device."""
+    pytest.importorskip("torchft")
+    from torchft.checkpointing.pg_transport import PGTransport
+
+    from mingpt_ddp.parallel.replica_groups import heal_transport
+
+    transport = heal_transport(PGTransport, pg=None, timeout=timedelta(seconds=5))
+    assert transport._device == torch.device("cpu")
 
 
 @pytest.mark.slow

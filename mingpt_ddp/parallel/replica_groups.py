@@ -51,6 +51,15 @@ def import_torchft():
     return torchft, PGTransport
 
 
+def heal_transport(transport: type, pg, timeout: timedelta):
+    """How a healing group receives its peer's state: over the groups' Gloo process group, through
+    host memory. Gloo's all-reduce takes CUDA tensors, but its send and recv hand the tensor's
+    pointer to the TCP transport as it is: on an H200, a CUDA tensor sent so failed with "writev:
+    Bad address" (docs/measured.md), so a heal on GPUs would fail and no step would commit. heal()
+    copies the received CPU tensors into the model and optimizer on their own device."""
+    return transport(pg, timeout=timeout, device=torch.device("cpu"))
+
+
 class ReplicaGroupStrategy(GridStrategy):
     """One process of one replica group: the local step of single.py, the gradients averaged over
     the groups of this step's quorum, the update applied only when the quorum commits."""
@@ -73,7 +82,7 @@ class ReplicaGroupStrategy(GridStrategy):
             lighthouse_addr=cfg.lighthouse or None,
             replica_id=f"group{cfg.group}",
             hostname=cfg.hostname or socket.gethostname(),
-            checkpoint_transport=PGTransport(pg, timeout=timeout, device=self.device),
+            checkpoint_transport=heal_transport(PGTransport, pg, timeout),
         )
         self.healed, self.joined = False, False
 

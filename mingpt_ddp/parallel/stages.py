@@ -92,15 +92,20 @@ class Stage(PipelineStage):
     """torch's PipelineStage, its first-step shape inference kept away from DDP's gradient sync
     and from context parallelism's ring.
 
-    On its first step the stage runs its module once on meta tensors to learn the shapes it will
-    send (_forward_metadata_inference, torch 2.13), with gradients on and outside DDP's no_sync.
+    On its first step the stage runs its module once to learn the shapes it will send
+    (_forward_metadata_inference, torch 2.13): on the real input (first stage) or on uninitialised
+    tensors built on its device from the shapes received (TensorMeta.to_tensor; real memory, not
+    meta tensors), with gradients on and outside DDP's no_sync.
     DDP's forward then arms the reducer (prepare_for_backward), so the first real microbatch's
     backward, meant to accumulate locally, all-reduces and records every parameter for DDP's
     bucket rebuild; the last microbatch records them again. 1F1B survives it (the rebuild comes
     between, the extra average is harmless arithmetic), but under GPipe the next step's first
     forward fails DDP's check ("rebuilt parameter indices size is not same as original model
     parameters size ... 26 versus 52"). Run under no_sync, the inference arms nothing. The ring
-    is off for it too: meta tensors cannot travel, and the local kernel gives the same shapes."""
+    is off for it too: the local kernel gives the same shapes without sending uninitialised
+    tensors around the ring (or counting them in its bytes).
+    Older torch (2.11 on an H200, docs/measured.md) has no such method: its _shape_inference runs
+    the forward under no_grad, which arms nothing, and the pipeline tests passed there."""
 
     def __init__(self, *args, ring=None, **kwargs):
         super().__init__(*args, **kwargs)
