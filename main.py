@@ -58,6 +58,7 @@ from mingpt_ddp.runtime.distributed import (
     setup_distributed,
     teardown_distributed,
 )
+from mingpt_ddp.runtime.error_line import peer_gone, print_error
 from mingpt_ddp.runtime.host import keep_freed_cpu_memory, set_cpu_threads
 from mingpt_ddp.runtime.signals import stop_when_the_launcher_dies
 from mingpt_ddp.snapshots.lease import LeaseError
@@ -164,13 +165,16 @@ def run(job) -> Outcome:
         )
     except (StartupError, *USER_ERRORS) as e:
         record_exit(ctx, f"{type(e).__name__}: {e}")
-        print0(f"error: {e}", file=sys.stderr)  # every rank has the same message: rank 0 says it
+        print_error(f"error: {e}")  # every rank has the same message: the first to fail says it
         return Outcome(1)
     except BaseException as e:
         # Anything else (a peer vanished mid-collective, a timeout, a bug): note it for
         # the next attempt's report, then let it propagate with its traceback.
         record_exit(ctx, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-        raise
+        if not (line := peer_gone(e)):
+            raise
+        print_error(line)  # another rank died: its output says why, a traceback here would not
+        return Outcome(1)
     finally:
         if store is not None:
             store.release()  # the next run on this path need not wait for the lease to go stale
@@ -183,9 +187,7 @@ def build_trainer(job, ctx: DistContext, store: SnapshotStore) -> Trainer:
     on_all_ranks(lambda: fetch_default_corpus(data_cfg, ctx))
     dataset = load_dataset(data_cfg, tcfg, ctx)
     gpt_cfg.vocab_size, gpt_cfg.block_size = dataset.vocab_size, data_cfg.block_size
-    torch.manual_seed(
-        tcfg.seed
-    )  # same initial weights on every rank (DDP also broadcasts rank 0's)
+    torch.manual_seed(tcfg.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's)
     run_config = {name: config.to_dict(getattr(job, name)) for name in config.sections()}
     trainer = Trainer(
         GPT(gpt_cfg),
@@ -284,14 +286,12 @@ def train_job(cfg: DictConfig) -> float:
     sweep = HydraConfig.get().mode == RunMode.MULTIRUN
     problem = give_sweep_job_its_own_directory(cfg) if sweep else ""
     if problem:  # refused before any job: rank 0 says why and fails; under torchrun the other ranks
-        print0(
-            f"error: {problem}", file=sys.stderr
-        )  # leave quietly, so none is killed before it speaks
+        print0(f"error: {problem}", file=sys.stderr)  # the others: quiet, so none is killed first
         raise SystemExit(1 if is_main_process() else 0)
     try:
         outcome = run(to_job(cfg))
     except ConfigError as e:  # a range, a combination or an unknown key: one line, exit 1
-        print0(f"error: {e}", file=sys.stderr)
+        print_error(f"error: {e}")
         outcome = Outcome(1)
     if outcome.code and (outcome.code > 128 or not sweep):  # a stop signal ends a whole sweep
         raise SystemExit(outcome.code)
@@ -323,12 +323,12 @@ def cli() -> None:
             main()
         code = 0
     except JobFailed as e:  # the first failed job of a sweep, re-raised by Hydra's sweeper
-        print0(f"error: {e}", file=sys.stderr)
+        print_error(f"error: {e}")
         code = e.code
     except (HydraException, OmegaConfBaseException) as e:
         if trace:
             raise
-        print0(hydra_error_line(e), file=sys.stderr)
+        print_error(hydra_error_line(e))
         code = 1
     except SystemExit as e:  # a single run's code, a stop signal, or Hydra's after its report
         code = e.code if isinstance(e.code, int) else 1

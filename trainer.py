@@ -5,10 +5,9 @@ the strategy's (mingpt_ddp/parallel/: the grid of ranks and the ladder that wrap
 under DDP each holds a full copy and DDP all-reduces the gradients during backward; under FSDP
 each holds a shard. The step at the end of this file is the same on every layout.
 
-Each data-parallel rank trains on a different shard of every global batch, as a
-DistributedSampler would choose it (mingpt_ddp/corpus/order.py). The data position is *global
-samples consumed in this epoch* (DataCursor), which does not depend on the world size: a snapshot
-taken with 4 ranks resumes correctly with 2.
+Each data-parallel rank trains on a different shard of every global batch, as a DistributedSampler
+would choose it (mingpt_ddp/corpus/order.py). The data position is *global samples consumed in this
+epoch* (DataCursor), whatever the world size: a snapshot taken with 4 ranks resumes with 2.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from mingpt_ddp.metrics import (
     peak_memory,
     report_optimizer_memory,
 )
-from mingpt_ddp.optim import set_learning_rates
+from mingpt_ddp.optim import schedule_change, set_learning_rates
 from mingpt_ddp.parallel.plan import Plan, dropout_streams, replica, set_tf32
 from mingpt_ddp.parallel.registry import build_strategy
 from mingpt_ddp.parallel.strategy import Batch, Strategy, StrategyArgs
@@ -182,6 +181,9 @@ class Trainer:
         heals from it, no snapshot read), else the newest snapshot."""
         if not self._moved_to(self.strategy.begin_step(self.state.step, self.state.accum_steps)):
             self.snapshots.resume()
+            saved, step = self.snapshots.resumed_config, self.state.step
+            if notice := schedule_change(saved, self.optim_cfg, self.cfg.max_steps, step):
+                print0(notice)
 
     def _moved_to(self, step: int | None) -> bool:
         """Follow the strategy to another step (a heal); whether it moved."""

@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 
+import measure
 from common import REPO, hardware, main_command
 
 sys.path.insert(0, REPO)
@@ -104,29 +105,6 @@ def precision_of(overrides: dict) -> str:
     return overrides["amp_dtype"] if overrides["use_amp"] else "fp32"
 
 
-def peak_gflops(dtype: torch.dtype, n: int) -> float:
-    """The best of a few n x n matmuls in this precision, using every core (or the GPU). fp32 on
-    a GPU is measured as the runs compute it: TF32 where the GPU has it (trainer_config.tf32's
-    default), so that an fp32 row's MFU is not divided by a full-precision peak."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.set_float32_matmul_precision("high" if device == "cuda" else "highest")
-    a, b = (
-        torch.randn(n, n, dtype=dtype, device=device),
-        torch.randn(n, n, dtype=dtype, device=device),
-    )
-    best = float("inf")
-    for _ in range(5):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(3):
-            a @ b
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t0) / 3)
-    return 2 * n**3 / best / 1e9
-
-
 def flops_per_token(recipe: tuple, vocab: int) -> int:
     """The model's own count (model.GPT.flops_per_token: 6N + attention), from a GPT built on the
     meta device: shapes only, no memory, no initialisation cost, even for GPT-2 sizes."""
@@ -145,18 +123,10 @@ def flops_per_token(recipe: tuple, vocab: int) -> int:
     return model.flops_per_token()
 
 
-def run_mode(
-    name: str,
-    nproc: int,
-    overrides: dict,
-    recipe: tuple,
-    steps: int,
-    log_every: int,
-    data: str,
-    workdir: str,
-) -> dict:
+def mode_args(nproc: int, overrides: dict, recipe: tuple, steps, log_every, data, run_dir) -> list:
+    """main.py's overrides for one mode: the recipe's shape at its global batch, split over nproc
+    ranks, one evaluation at the end, one asynchronous save mid-run."""
     n_layer, n_head, n_embd, block, global_batch, dropout = recipe
-    run_dir = os.path.join(workdir, "".join(c if c.isalnum() else "_" for c in name))
     settings = {
         "data_config.path": data,
         "data_config.block_size": block,
@@ -177,7 +147,15 @@ def run_mode(
         "trainer_config.metrics_path": f"{run_dir}/metrics.jsonl",
         **{f"trainer_config.{k}": v for k, v in overrides.items()},
     }
-    args = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in settings.items()]
+    return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in settings.items()]
+
+
+def run_mode(
+    name: str, nproc: int, overrides: dict, recipe: tuple, steps, log_every, data, workdir
+) -> dict:
+    """One mode's run of main.py, and its row read from the run's metrics file."""
+    run_dir = os.path.join(workdir, "".join(c if c.isalnum() else "_" for c in name))
+    args = mode_args(nproc, overrides, recipe, steps, log_every, data, run_dir)
     t0 = time.perf_counter()
     result = subprocess.run(main_command(nproc, args), capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -185,12 +163,9 @@ def run_mode(
         raise SystemExit(
             f"error: mode {name!r} failed (exit {result.returncode}):\n{result.stderr[-2000:]}"
         )
-    windows = MetricsLog.read(f"{run_dir}/metrics.jsonl")
-    saves = [
-        e
-        for e in MetricsLog.read(f"{run_dir}/metrics.jsonl", event="snapshot")
-        if e["step"] < steps
-    ]
+    metrics, tokens_per_step = f"{run_dir}/metrics.jsonl", recipe[4] * recipe[3]
+    windows = MetricsLog.read(metrics)
+    saves = [e for e in MetricsLog.read(metrics, event="snapshot") if e["step"] < steps]
     steady = windows[1:] or windows
     ms = statistics.median(w["ms_per_step"] for w in steady)
     data_ms = statistics.median(w["data_ms"] for w in steady)
@@ -199,15 +174,13 @@ def run_mode(
         "processes": nproc,
         "precision": precision_of(overrides),
         "ms_per_step": round(ms, 2),
-        "tokens_per_sec": round(global_batch * block / ms * 1e3, 1),
+        "tokens_per_sec": round(tokens_per_step / ms * 1e3, 1),
         "data_pct": round(100 * data_ms / ms, 2),
         "first_window_extra_s": round((windows[0]["ms_per_step"] - ms) * log_every / 1e3, 2),
         "wall_s": round(wall, 1),
         "final_loss": windows[-1]["train_loss"],
     }
-    if (
-        saves
-    ):  # the window that contains the mid-run save (it happens right after its step is logged)
+    if saves:  # the window that contains the mid-run save (right after its step is logged)
         after = next((w for w in windows if w["step"] > saves[0]["step"]), None)
         cost_ms = max(0.0, (after["ms_per_step"] - ms) * log_every) if after else 0.0
         row.update(
@@ -239,7 +212,7 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--data", default=os.path.join(REPO, "data", "tinyshakespeare", "input.txt")
@@ -267,48 +240,25 @@ def main() -> int:
         sys.exit(
             f"error: no corpus at {args.data}; run python data/fetch_shakespeare.py or pass --data"
         )
-    recipe_name = "smoke" if args.smoke else args.recipe
-    recipe = recipe_shape(SMOKE if args.smoke else [f"recipe={args.recipe}"])
-    steps, log_every = (8, 2) if args.smoke else (args.steps, args.log_every)
-    gpu = torch.cuda.is_available()
-    native16 = "bf16" if gpu and torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
+    return args
+
+
+def select_modes(args: argparse.Namespace, gpu: bool, native16: str) -> list:
+    """The modes this machine runs (the smoke pair, the GPU's or the CPU's), filtered by --modes."""
     modes = SMOKE_MODES if args.smoke else gpu_modes(native16) if gpu else CPU_MODES
     if args.modes:
         wanted = [m.strip() for m in args.modes.split(",")]
         modes = [m for m in modes if any(w in m[0] for w in wanted)]
-
     if not modes:
         sys.exit(
             f"error: --modes {args.modes!r} matches none of: "
             f"{', '.join(m[0] for m in CPU_MODES + gpu_modes(native16))}"
         )
-    if steps < 3 * log_every:
-        sys.exit(
-            f"error: --steps must be at least 3 x --log-every ({3 * log_every}): "
-            "the first window (start-up, compilation) is left out, "
-            "and the snapshot needs a window of its own"
-        )
-    hw = hardware()
-    size = 512 if args.smoke else 4096 if gpu else 2048
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    needed = {"fp32", "bf16"} | {precision_of(m[2]) for m in modes}
-    peaks = {p: args.peak_gflops or peak_gflops(dtypes[p], size) for p in sorted(needed)}
-    tf32 = gpu and tf32_matmuls(torch.device("cuda"))
-    vocab = len(set(open(args.data, encoding="utf-8").read()))
-    fpt = flops_per_token(recipe, vocab)
-    print(
-        f"bench | {hw['device']} | "
-        f"{hw.get('cores', hw.get('gpus'))} {'cores' if 'cores' in hw else 'GPUs'} | "
-        f"torch {hw['torch']} | "
-        "matmul peak "
-        + " / ".join(f"{p}{' (TF32)' * (p == 'fp32' and tf32)} {v:.0f}" for p, v in peaks.items())
-        + " GFLOP/s"
-    )
-    print(
-        f"bench | recipe {recipe_name}: {recipe[0]} layers x {recipe[1]} heads x {recipe[2]} wide, "
-        f"context {recipe[3]}, global batch {recipe[4]} | {fpt / 1e6:.2f} MFLOP/token | "
-        f"{steps} steps per mode"
-    )
+    return modes
+
+
+def run_rows(args, modes, recipe, steps, log_every, peaks, fpt, warnings) -> list[dict]:
+    """Each mode's row, printed as it comes, with its MFU (and a warning when above 100%)."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-") as workdir:
         for name, nproc, overrides in modes:
@@ -321,22 +271,17 @@ def main() -> int:
                 f"MFU {100 * row['mfu']:.1f}% | data {row['data_pct']:.2f}%",
                 flush=True,
             )
-    table = markdown_table(rows)
-    print(table)
+            measure.warn(measure.mfu_warning(row, measured=not args.peak_gflops), warnings)
+    for line in measure.speedup_warnings(rows):
+        measure.warn(line, warnings)
+    return rows
+
+
+def write_outputs(args, report: dict, recipe_name: str) -> int:
+    """The JSON report, then the chart (matplotlib; a note if it is missing)."""
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(
-            {
-                "hardware": hw,
-                "peak_gflops": peaks,
-                "recipe": recipe_name,
-                "flops_per_token": fpt,
-                "steps": steps,
-                "rows": rows,
-            },
-            f,
-            indent=1,
-        )
+        json.dump(report, f, indent=1)
     chart = args.chart or os.path.splitext(args.out)[0] + ".png"
     try:
         import matplotlib  # noqa: F401
@@ -345,14 +290,51 @@ def main() -> int:
         return 0
     from plot import plot_benchmark
 
+    hw = report["hardware"]
     plot_benchmark(
-        rows,
+        report["rows"],
         chart,
         f"{recipe_name} recipe on {hw['device'].split(' (')[0]}, "
         f"{hw.get('cores', hw.get('gpus'))} {'cores' if 'cores' in hw else 'GPUs'}",
     )
     print(f"bench | wrote {args.out} and {chart}")
     return 0
+
+
+def main() -> int:
+    args = parse_args()
+    recipe_name = "smoke" if args.smoke else args.recipe
+    recipe = recipe_shape(SMOKE if args.smoke else [f"recipe={args.recipe}"])
+    steps, log_every = (8, 2) if args.smoke else (args.steps, args.log_every)
+    gpu = torch.cuda.is_available()
+    native16 = "bf16" if gpu and torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
+    modes = select_modes(args, gpu, native16)
+    if steps < 3 * log_every:
+        sys.exit(
+            f"error: --steps must be at least 3 x --log-every ({3 * log_every}): "
+            "the first window (start-up, compilation) is left out, "
+            "and the snapshot needs a window of its own"
+        )
+    hw, warnings, load = hardware(), [], measure.load_average()
+    # before anything is timed: a busy machine makes both the peak and the rows noisy
+    measure.warn(measure.load_warning(load, measure.cpu_cores()), warnings)
+    needed = sorted({"fp32", "bf16"} | {precision_of(m[2]) for m in modes})
+    size = 512 if args.smoke else 4096 if gpu else 2048
+    peaks, spreads = measure.measure_peaks(needed, size, args.peak_gflops)
+    measure.print_peaks(hw, peaks, spreads, gpu and tf32_matmuls(torch.device("cuda")), warnings)
+    vocab = len(set(open(args.data, encoding="utf-8").read()))
+    fpt = flops_per_token(recipe, vocab)
+    print(
+        f"bench | recipe {recipe_name}: {recipe[0]} layers x {recipe[1]} heads x {recipe[2]} wide, "
+        f"context {recipe[3]}, global batch {recipe[4]} | {fpt / 1e6:.2f} MFLOP/token | "
+        f"{steps} steps per mode"
+    )
+    rows = run_rows(args, modes, recipe, steps, log_every, peaks, fpt, warnings)
+    print(markdown_table(rows))
+    report = {"hardware": hw, "peak_gflops": peaks, "recipe": recipe_name}
+    report.update(flops_per_token=fpt, steps=steps, rows=rows, peak_repeats=spreads)
+    report.update(load_average=load, warnings=warnings)
+    return write_outputs(args, report, recipe_name)
 
 
 if __name__ == "__main__":

@@ -80,11 +80,12 @@ ROWS = [
     ("DeepSpeed", 1.01, "DDP, deepspeed launcher", "deepspeed", ["parallel=ddp"]),
     ("accelerate", 1.37, "DDP, accelerate launch", "accelerate", ["parallel=ddp"]),
     ("-", None, "FSDP (PyTorch's ZeRO-3)", "torchrun", ["parallel=fsdp"]),
-    # Note 002's "DDP+MP" (DDP with pipeline parallelism), untimed there: 2 stages per replica.
+    # Note 002's "DDP+MP" (DDP with pipeline parallelism), untimed there. At 2 ranks, like every
+    # row, it is one replica of 2 stages: the pipeline alone (DDP+MP needs 4 ranks, 2 x 2).
     (
         "DDP+MP",
         None,
-        "DDP + pipeline (2 stages, 1F1B)",
+        "pipeline, 2 stages, 1F1B (1 replica: no DDP in it)",
         "torchrun",
         ["parallel=ddp", "pipeline_config.degree=2"],
     ),

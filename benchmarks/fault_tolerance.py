@@ -98,6 +98,20 @@ class Stamped:
         return "\n".join(line for _, line in self.lines)
 
 
+def lighthouse_program() -> str:
+    """torchft's `torchft_lighthouse`: beside this interpreter first (its venv's bin/, where pip put
+    it, whether or not that is on PATH: as main_command runs torchrun with this interpreter), then
+    on PATH; exits with the install command when it is in neither."""
+    beside = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
+    found = beside if os.access(beside, os.X_OK) else shutil.which("torchft_lighthouse")
+    if found is None:
+        sys.exit(
+            f"error: torchft_lighthouse is not beside {sys.executable} nor on PATH: "
+            'pip install -e ".[torchft]" (Linux only)'
+        )
+    return found
+
+
 class Lighthouse:
     """torchft's lighthouse on a free loopback port, for as long as the `with` lasts."""
 
@@ -107,7 +121,7 @@ class Lighthouse:
         flags = ["--min_replicas", str(min_groups), "--bind", f"[::]:{self.port}"]
         flags += ["--join_timeout_ms", "1000"]
         flags += ["--heartbeat_timeout_ms", str(heartbeat_ms), "--quorum_tick_ms", "100"]
-        self.cmd = [shutil.which("torchft_lighthouse") or "torchft_lighthouse", *flags]
+        self.cmd = [lighthouse_program(), *flags]
 
     def __enter__(self) -> Lighthouse:
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
@@ -276,6 +290,7 @@ def main() -> None:
     p.add_argument("--data", default=str(REPO.parent / "shared/data/tinyshakespeare/input.txt"))
     p.add_argument("--chaos", type=int, default=0, help="also N trials of 2 random kills each")
     args = p.parse_args()
+    lighthouse_program()  # before the first run: exits naming the extra if torchft is missing
     size, rows = SIZES["quick" if args.quick else "full"], []
     for kill in size["kills"]:
         for run in (run_restart, run_torchft):

@@ -23,6 +23,7 @@ hold the peak, then a straight line down to min_lr over the last decay_frac of t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from contextlib import contextmanager
 
@@ -191,3 +192,28 @@ def state_tensors(optimizers: list[torch.optim.Optimizer]) -> list[torch.Tensor]
         for t in state.values()
         if torch.is_tensor(t) and t.dim()
     ]
+
+
+def schedule_change(saved: dict, cfg: OptimizerConfig, max_steps: int, step: int) -> str:
+    """A resumed run's schedule is computed afresh from this run's settings, not carried in the
+    snapshot: a larger max_steps stretches the decay, so the learning rate jumps back up at the
+    step resumed (the defaults: 1.00e-04 at step 200 of 200, then 3.25e-04 at step 200 of 250,
+    against a curve it never warmed into). That may be what
+    you want (train longer) but it is no continuation: say so, in one line ("" if unchanged)."""
+    if not saved:  # started fresh
+        return ""
+    known = {
+        f.name for f in dataclasses.fields(cfg)
+    }  # an old snapshot may name fewer, or gone ones
+    before = dataclasses.replace(
+        cfg, **{k: v for k, v in saved.get("optimizer_config", {}).items() if k in known}
+    )
+    was = saved.get("trainer_config", {}).get("max_steps", max_steps)
+    old, new = before.lr_at(step, was), cfg.lr_at(step, max_steps)
+    if math.isclose(old, new, rel_tol=1e-6):
+        return ""
+    return (
+        f"schedule | learning rate at step {step}: {old:.2e} in the snapshot's schedule "
+        f"(max_steps {was}), {new:.2e} in this run's (max_steps {max_steps}): the schedule is "
+        "this run's settings, not the snapshot's; keep them to continue the same curve"
+    )

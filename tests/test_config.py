@@ -3,6 +3,7 @@
 job."""
 
 import dataclasses
+import os
 import shutil
 import subprocess
 import sys
@@ -174,6 +175,19 @@ def test_learning_rate_warms_up_then_decays_to_min_lr():
 
 
 @pytest.mark.slow
+def test_a_resume_that_changes_the_schedule_says_so():
+    from mingpt_ddp.optim import schedule_change
+
+    cfg, saved = OptimizerConfig(), {"trainer_config": {"max_steps": 200}}
+    longer = schedule_change(saved, cfg, max_steps=250, step=200)
+    assert longer.startswith("schedule | learning rate at step 200: 1.00e-04 in the snapshot's")
+    assert "3.25e-04 in this run's (max_steps 250)" in longer
+    assert schedule_change(saved, cfg, max_steps=200, step=150) == ""  # the same curve
+    assert schedule_change({}, cfg, max_steps=250, step=0) == ""  # started fresh
+    hotter = {"trainer_config": {"max_steps": 200}, "optimizer_config": {"learning_rate": 3e-3}}
+    assert "in this run's (max_steps 200)" in schedule_change(hotter, cfg, 200, step=50)
+
+
 def test_main_reports_a_missing_dataset_in_one_line(tmp_path):
     result = run_main(tiny_overrides(tmp_path / "missing.txt", tmp_path))
     assert result.returncode == 1
@@ -327,6 +341,33 @@ def test_multirun_under_torchrun_is_refused_in_one_line(shakespeare, tmp_path):
     assert result.returncode != 0
     assert "error: --multirun under torchrun" in result.stderr
     assert not list(tmp_path.glob("sweep/*/snapshots"))
+
+
+def test_a_refusal_is_said_once_per_node_by_whichever_rank_fails_first(tmp_path):
+    """Under torchrun, rank 0 may be stopped before it prints when another rank exits first: the
+    first rank of a node to fail says it, and only once (each rank here is its own process)."""
+    code = (
+        "import os, sys; sys.path.insert(0, sys.argv[1]); os.environ['RANK'] = sys.argv[2]; "
+        "from mingpt_ddp.runtime.error_line import print_error; print_error('error: refused')"
+    )
+    env = {
+        **os.environ,
+        "LOCAL_RANK": "0",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TMPDIR": str(tmp_path),
+    }
+    said = [
+        subprocess.run(
+            [sys.executable, "-c", code, str(REPO), rank], env=env, capture_output=True, text=True
+        ).stderr
+        for rank in ("1", "0")  # rank 1 first: its line is the one printed
+    ]
+    assert said == ["error: refused\n", ""]
+    env["TORCHELASTIC_RESTART_COUNT"] = "1"  # the next attempt says it again
+    again = subprocess.run(
+        [sys.executable, "-c", code, str(REPO), "0"], env=env, text=True, capture_output=True
+    )
+    assert again.stderr == "error: refused\n"
 
 
 def test_ci_runs_the_test_command_the_readme_gives():

@@ -15,12 +15,15 @@ MiB = 1024 * 1024
 
 @pytest.fixture(scope="module")
 def tutorial(tmp_path_factory):
-    """One run of the tutorial on 2 ranks (about 10 s): its stdout, the buckets rank 0
-    recorded, and its stderr."""
-    record = tmp_path_factory.mktemp("buckets") / "buckets.json"
-    result = run_command(
-        main_command(2, [str(record)], script=REPO / "tutorials" / "ddp_buckets.py"), timeout=180
-    )
+    """The tutorial at its default cap (0.25 MiB against DDP's default)."""
+    return run_tutorial(tmp_path_factory.mktemp("buckets") / "buckets.json")
+
+
+def run_tutorial(record, *flags) -> tuple[str, dict, str]:
+    """One run of the tutorial on 2 ranks (about 10 s): its stdout, the buckets rank 0 recorded,
+    and its stderr."""
+    script = REPO / "tutorials" / "ddp_buckets.py"
+    result = run_command(main_command(2, [*flags, str(record)], script=script), timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout, json.loads(record.read_text()), result.stderr
 
@@ -69,13 +72,28 @@ def test_first_bucket_at_the_default_cap_holds_the_last_parameters_and_closes_at
 
 def test_a_smaller_cap_makes_more_buckets_and_each_closes_at_its_cap(tutorial, sizes):
     out, record, _ = tutorial
-    default, small = calls(record, "default", 2), calls(record, "0.25", 2)
+    default, small = calls(record, "default", 2), calls(record, "cap", 2)
     assert len(small) > len(default) == 2
     for c in small[:-1]:
         assert c["bytes"] - sizes[c["names"][-1]] < MiB // 4 <= c["bytes"]
-    assert len(calls(record, "0.25", 1)) == 1  # the cap only matters once DDP rebuilds
+    assert len(calls(record, "cap", 1)) == 1  # the cap only matters once DDP rebuilds
     assert len(calls(record, "25", 2)) == 1  # 25 passed explicitly: no 1 MiB first bucket
     assert f"{len(default)} buckets at the default cap, {len(small)} at bucket_cap_mb=0.25" in out
+
+
+def test_the_cap_compared_is_the_flags_and_every_line_names_it(tutorial, sizes, tmp_path):
+    """--bucket-cap-mb changes the cap without editing the file, and what is printed is the cap
+    used (it used to be a constant in two runs and three strings)."""
+    out, record, _ = run_tutorial(tmp_path / "buckets.json", "--bucket-cap-mb", "0.5")
+    assert record["bucket_cap_mb"] == 0.5 == tutorial[1]["bucket_cap_mb"] * 2
+    half = calls(record, "cap", 2)
+    for c in half[:-1]:
+        assert c["bytes"] - sizes[c["names"][-1]] < MiB // 2 <= c["bytes"]
+    assert len(calls(record, "default", 2)) < len(half) < len(calls(tutorial[1], "cap", 2))
+    assert f"2 buckets at the default cap, {len(half)} at bucket_cap_mb=0.5" in out
+    assert "== bucket_cap_mb=0.5, iteration 2" in out and "At bucket_cap_mb=0.5: " in out
+    assert "embeddings last, find_unused_parameters=True, bucket_cap_mb=0.5" in out
+    assert "0.25" not in out[out.index("\n== ") :]
 
 
 def test_all_reduces_go_out_in_bucket_index_order_and_a_full_bucket_waits_for_a_lower_one(tutorial):
@@ -84,9 +102,7 @@ def test_all_reduces_go_out_in_bucket_index_order_and_a_full_bucket_waits_for_a_
         for step in run:
             assert [c["index"] for c in step["calls"]] == list(range(len(step["calls"])))
             assert [c["sent"] for c in step["calls"]] == sorted(c["sent"] for c in step["calls"])
-    rebuilt = calls(
-        record, "0.25", 2
-    )  # buckets in ready order: each goes out as soon as it is full
+    rebuilt = calls(record, "cap", 2)  # buckets in ready order: each goes out once it is full
     assert all(c["sent"] == c["full"] for c in rebuilt)
     late = calls(record, "embeddings_last", 1)  # bucket 0 holds gradients that are ready last
     assert late[0]["full"] == late[0]["sent"] == len(record["params"])

@@ -36,6 +36,11 @@ TRANSLATED = [
     "measured.md",
     "speedrun.md",
     "architecture.md",
+    "pipeline.md",
+    "tensor-context.md",
+    "horovod.md",
+    "ddp-in-practice.md",
+    "tutorials.md",
 ]
 MARKERS = ("runnable", "syntax-only", "test-command", "slurm-command")
 BLOCK = re.compile(r"(?:<!-- ([\w-]+) -->\n)?```bash\n(.*?)```", re.S)

@@ -207,18 +207,35 @@ def test_an_ampere_gpu_says_tf32(monkeypatch):
 
 def test_gpu_ranks_leave_a_flight_recorder_dump_that_the_next_attempt_names(tmp_path, monkeypatch):
     """NCCL's watchdog ends a rank whose collective timed out before any exit note is written;
-    the flight recorder's dump is what tells that apart from a SIGKILL."""
-    from mingpt_ddp.runtime import distributed
+    the flight recorder's dump is what tells that apart from a SIGKILL. Dumps carry their attempt,
+    so an older attempt's cannot make a later SIGKILL look like a timeout."""
+    from mingpt_ddp.runtime import flight_recorder as fr
 
-    env = distributed.flight_recorder_env(str(tmp_path))
+    env = fr.flight_recorder_env(str(tmp_path), attempt=1)  # what attempt 1's ranks dump to
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(env["TORCH_FR_BUFFER_SIZE"]) > 0
-    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", env["TORCH_FR_DUMP_TEMP_FILE"])
-    (tmp_path / "nccl_trace_rank_1").write_bytes(b"dump")
-    assert distributed.silent_rank(1) == (
+    later = fr.flight_recorder_env(str(tmp_path), attempt=2)["TORCH_FR_DUMP_TEMP_FILE"]
+    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", later)  # the attempt that reports
+    (tmp_path / "nccl_trace_attempt1_rank_1").write_bytes(b"dump")
+    assert fr.silent_rank(1, attempt=1) == (
         f"rank 1: a collective timed out (NCCL watchdog); its last ones: {tmp_path}/"
-        "nccl_trace_rank_1"
+        "nccl_trace_attempt1_rank_1"
     )
-    assert distributed.silent_rank(0).startswith("rank 0 died without a word (killed: SIGKILL")
+    assert fr.silent_rank(1, attempt=2).startswith("rank 1 died without a word (killed: SIGKILL")
+    assert fr.silent_rank(0, attempt=1).startswith("rank 0 died without a word (killed: SIGKILL")
+
+
+def test_a_users_recorder_settings_win_under_the_older_names_too(tmp_path, monkeypatch):
+    """torch reads TORCH_FR_* first, then the older TORCH_NCCL_* names: setting the new name over
+    a user's TORCH_NCCL_TRACE_BUFFER_SIZE=0 would turn on a recorder they turned off."""
+    from mingpt_ddp.runtime import flight_recorder as fr
+
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DUMP_ON_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "0")
+    monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/mine/trace_")
+    fr.use_flight_recorder(str(tmp_path), attempt=0)
+    assert "TORCH_FR_BUFFER_SIZE" not in os.environ and "TORCH_FR_DUMP_TEMP_FILE" not in os.environ
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"  # no older name: ours
 
 
 def test_the_gradient_norm_is_read_on_log_steps_only():

@@ -4,6 +4,7 @@ named by its tool, and the job ends (the lab kills it; no test waits for a colle
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -78,6 +79,33 @@ def test_every_hang_of_the_lab_is_named_by_its_tool_and_the_job_ends(name, tmp_p
     assert row["named"], row
     assert row["seconds"] < 45
     assert not left_running(f"LAB_DIR={tmp_path}".encode()), "the lab left a worker running"
+
+
+def test_a_hang_whose_tool_is_not_installed_says_what_to_install_in_one_line(
+    tmp_path, monkeypatch, capsys
+):
+    """No py-spy beside the interpreter nor on PATH: the "slow" hang is not started (it would run
+    out its budget and print NOT FOUND); its line names the extra that brings py-spy."""
+    import hang_lab
+
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "venv" / "bin" / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setattr(sys, "argv", ["hang_lab.py", "--hang", "slow"])
+    assert hang_lab.main() == 1
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("hang | slow | seen: ")
+    assert line.endswith(
+        "python -m mingpt_ddp.runtime.stacks: not run: py-spy is not installed: "
+        'pip install -e ".[debug]" | 0.0 s'
+    )
+    pyproject = (REPO / "pyproject.toml").read_text()  # the extra named is the one with py-spy
+    assert re.search(rf'^{hang_lab.PY_SPY_EXTRA} = \["py-spy[>=<]', pyproject, re.M)
+    # in a venv used by its path (its bin/ not on PATH), py-spy beside its python is found
+    beside = tmp_path / "venv" / "bin" / "py-spy"
+    beside.parent.mkdir(parents=True)
+    beside.write_text("#!/bin/sh\n")
+    beside.chmod(0o755)
+    assert hang_lab.py_spy() == str(beside) and hang_lab.missing_tool("slow") is None
 
 
 def left_running(marker: bytes) -> list[int]:

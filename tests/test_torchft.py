@@ -6,6 +6,7 @@ are Linux only)."""
 
 import math
 import re
+import sys
 from datetime import timedelta
 
 import pytest
@@ -66,6 +67,50 @@ def test_a_heal_travels_through_host_memory_whatever_the_models_device():
 
     transport = heal_transport(PGTransport, pg=None, timeout=timedelta(seconds=5))
     assert transport._device == torch.device("cpu")
+
+
+@pytest.mark.slow
+def test_an_unreachable_lighthouse_is_one_line_naming_the_setting(shakespeare, tmp_path):
+    pytest.importorskip("torchft")
+    from conftest import free_port, run_main, tiny_overrides
+
+    nobody = f"http://127.0.0.1:{free_port()}"
+    ft = ["torchft_config.groups=2", f"torchft_config.lighthouse={nobody}"]
+    args = tiny_overrides(shakespeare, tmp_path, device="cpu") + ft + ["torchft_config.timeout_s=1"]
+    result = run_main(args, nproc=1)
+    assert result.returncode == 1
+    assert f"error: no torchft lighthouse answered at {nobody} within 1 s" in result.stderr
+    assert "torchft_config.lighthouse" in result.stderr and "Traceback" not in result.stderr
+    alone = run_main(args)  # not under torchrun: torchft's group would miss MASTER_ADDR
+    assert alone.returncode == 1 and "error: each torchft replica group is a torchrun job" in (
+        alone.stderr
+    )
+
+
+def executable(path) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_the_lighthouse_is_found_beside_the_interpreter_then_on_path_or_named_as_an_extra(
+    tmp_path, monkeypatch
+):
+    """A venv used by its path (venv/bin/python benchmarks/fault_tolerance.py, its bin/ not on
+    PATH) has torchft_lighthouse beside its python; without it, one line says what to install."""
+    from benchmarks.fault_tolerance import Lighthouse, lighthouse_program
+
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "venv" / "bin" / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(SystemExit) as exit_:
+        lighthouse_program()
+    assert "\n" not in str(exit_.value) and 'pip install -e ".[torchft]"' in str(exit_.value)
+    on_path = executable(tmp_path / "elsewhere" / "torchft_lighthouse")
+    monkeypatch.setenv("PATH", str(tmp_path / "elsewhere"))
+    assert lighthouse_program() == on_path
+    beside = executable(tmp_path / "venv" / "bin" / "torchft_lighthouse")
+    assert lighthouse_program() == beside == Lighthouse().cmd[0]  # before PATH's
 
 
 @pytest.mark.slow

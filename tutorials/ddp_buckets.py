@@ -1,6 +1,7 @@
 """How DDP packs gradients into buckets, and in which order it all-reduces them.
 
     torchrun --standalone --nproc_per_node=2 tutorials/ddp_buckets.py [buckets.json]
+    torchrun --standalone --nproc_per_node=2 tutorials/ddp_buckets.py --bucket-cap-mb 1
 
 After its first iteration DDP neither all-reduces the GPT's 52 gradients one by one nor all at
 once after backward (no overlap): it copies them into flat buckets and hands a bucket to
@@ -13,8 +14,11 @@ pass of the default GPT on random tokens; a legend printed before them explains 
 launched it) and the two notices torchrun and DDP print on stderr. The closing sentences are
 computed from the tables; torch/nn/parallel/distributed.py (torch 2.13) says why. The optional
 argument writes every bucket's parameter names as JSON (tests/test_ddp_buckets.py reads it).
+--bucket-cap-mb sets the cap compared with the default (0.25 MiB unless given): try 0.1 or 1 and
+watch the number of buckets and the share of the bytes sent during backward change.
 """
 
+import argparse
 import json
 import os
 import sys
@@ -118,15 +122,32 @@ def run(wrap=lambda gpt: gpt, **ddp_args) -> list[dict]:
     return steps
 
 
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("record", nargs="?", help="write every bucket's parameter names here (JSON)")
+    p.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=0.25,
+        help="the cap compared with the default one, in MiB (default 0.25)",
+    )
+    args = p.parse_args()
+    if args.bucket_cap_mb <= 0:
+        p.error("--bucket-cap-mb must be positive")
+    return args
+
+
 if __name__ == "__main__":
+    args = parse_args()
+    cap, capped = args.bucket_cap_mb, f"bucket_cap_mb={args.bucket_cap_mb:g}"
     rank, _ = init()
     runs = {
         "default": run(),
-        "0.25": run(bucket_cap_mb=0.25),
+        "cap": run(bucket_cap_mb=cap),  # the cap compared with the default: --bucket-cap-mb
         "25": run(bucket_cap_mb=25),
         # DDP warns that nothing was unused: true here
         "find_unused": run(find_unused_parameters=True),
-        "embeddings_last": run(EmbeddingsLast, find_unused_parameters=True, bucket_cap_mb=0.25),
+        "embeddings_last": run(EmbeddingsLast, find_unused_parameters=True, bucket_cap_mb=cap),
     }
     header = (
         f"{'call':>4} {'bucket':>6} {'KiB':>7} {'params':>6} "
@@ -136,9 +157,9 @@ if __name__ == "__main__":
         print(LEGEND, flush=True)
     for key, label, its in (
         ("default", "bucket_cap_mb=None (the default)", 2),
-        ("0.25", "bucket_cap_mb=0.25", 2),
+        ("cap", capped, 2),
         ("find_unused", "find_unused_parameters=True", 1),
-        ("embeddings_last", "embeddings last, find_unused_parameters=True, bucket_cap_mb=0.25", 1),
+        ("embeddings_last", f"embeddings last, find_unused_parameters=True, {capped}", 1),
     ):
         for it, step in enumerate(runs[key][:its], 1):
             title(f"{label}, iteration {it}\n{header}")
@@ -157,7 +178,7 @@ if __name__ == "__main__":
         first, default, small = (
             runs["default"][0],
             runs["default"][1]["calls"],
-            runs["0.25"][1]["calls"],
+            runs["cap"][1]["calls"],
         )
         total, b0, el = first["calls"][0]["bytes"], default[0], runs["embeddings_last"][0]["calls"]
         fu, fu2 = (step["calls"] for step in runs["find_unused"])
@@ -174,7 +195,7 @@ if __name__ == "__main__":
             f"Iteration 2: buckets follow the order gradients became ready in iteration 1 "
             f"({first['ready'][0]} first, {first['ready'][-1]} last): "
             f"{flat(default) == first['ready']}; {len(default)} buckets at the default cap, "
-            f"{len(small)} at bucket_cap_mb=0.25, "
+            f"{len(small)} at {capped}, "
             f"{len(runs['25'][1]['calls'])} if bucket_cap_mb=25 is passed explicitly "
             f"(the 1 MiB first bucket below is only for bucket_cap_mb=None)."
         )
@@ -201,16 +222,16 @@ if __name__ == "__main__":
             f"was full only at gradient {el[0]['full']}/{len(params)}, "
             f"so {sum(c['sent'] > c['full'] for c in el)} buckets full earlier waited for it."
         )
-        for key, calls in (("the default cap", default), ("bucket_cap_mb=0.25", small)):
+        for key, calls in (("the default cap", default), (capped, small)):
             # launched before the last gradient was ready
             early = [c for c in calls if c["sent"] < len(params)]
             print(
-                f"At {key}: {len(calls)} buckets, "
+                f"At {key}: {len(calls)} bucket{'s' * (len(calls) != 1)}, "
                 f"{len(early)} sent while backward was still running, "
                 f"with {sum(c['bytes'] for c in early) * 100 // total}% of the "
                 f"{total / 1e6:.1f} MB; the rest waits for the end of backward."
             )
-        if len(sys.argv) > 1:
-            with open(sys.argv[1], "w") as f:
-                json.dump({"params": params, "runs": runs}, f, indent=1)
+        if args.record:
+            with open(args.record, "w") as f:
+                json.dump({"params": params, "bucket_cap_mb": cap, "runs": runs}, f, indent=1)
     finish()

@@ -26,6 +26,7 @@ import datetime
 import os
 import pickle
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,6 +40,7 @@ sys.path.insert(0, REPO)
 from tutorials.common import free_port  # noqa: E402
 
 TIMEOUT_S = 8  # every collective's: a hang the tools miss still ends
+PY_SPY_EXTRA = "debug"  # pyproject.toml's optional dependency that brings py-spy
 
 
 @dataclass(frozen=True)
@@ -166,9 +168,27 @@ def rendezvous_state(port: int, run_id: str = "lab") -> str:
     return f"rendezvous {run_id}: {len(nodes)} of 2 nodes joined ({', '.join(nodes)}), waiting"
 
 
+def py_spy() -> str | None:
+    """py-spy beside this interpreter (its venv's bin/, whether or not that is on PATH), else on
+    PATH; None when neither has it."""
+    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    return beside if os.access(beside, os.X_OK) else shutil.which("py-spy")
+
+
+def missing_tool(name: str) -> str | None:
+    """What to install, in one line, when the hang's tool cannot run here."""
+    if name == "slow" and py_spy() is None:
+        return f'py-spy is not installed: pip install -e ".[{PY_SPY_EXTRA}]"'
+    return None
+
+
 def run(name: str, lab_dir: str, budget_s: float = 60.0) -> dict:
-    """Start the hang; apply its tool when the job shows it is stuck; end the job."""
+    """Start the hang; apply its tool when the job shows it is stuck; end the job. A hang whose
+    tool is not installed is not started: its row says what to install."""
     hang, t0, lines = HANGS[name], time.monotonic(), []
+    if missing := missing_tool(name):
+        return {"hang": name, "seen": hang.seen, "tool": hang.tool, "named": False,
+                "finding": "", "error": f"not run: {missing}", "seconds": 0.0}  # fmt: skip
     job = launch(name, lab_dir)
     reader = threading.Thread(target=lambda: lines.extend(job.stdout), daemon=True)
     reader.start()
@@ -184,7 +204,13 @@ def run(name: str, lab_dir: str, budget_s: float = 60.0) -> dict:
     said = " ".join(found.group(0).split()) if found else ""  # one line, however it matched
     said = said if len(said) < 150 else f"{said[:70]} ... {said[-70:]}"
     return {"hang": name, "seen": hang.seen, "tool": hang.tool, "named": bool(found),
-            "finding": said, "seconds": seconds}  # fmt: skip
+            "finding": said, "error": tool_error(cache), "seconds": seconds}  # fmt: skip
+
+
+def tool_error(cache: dict) -> str:
+    """The first error line the tool printed (py-spy that may not attach: ptrace), or ''."""
+    errors = re.findall(r"^(?:error|Error)\b.*$", cache.get("stacks", ""), re.M)
+    return errors[0].strip() if errors else ""
 
 
 def end(job: subprocess.Popen) -> None:
@@ -215,7 +241,9 @@ def tool_output(name: str, job: subprocess.Popen, waited: float, cache: dict) ->
         return ""
     if name == "slow" and time.monotonic() - cache.get("at", 0) > 2:  # a new dump every 2 s
         cmd = [sys.executable, "-m", "mingpt_ddp.runtime.stacks", str(job.pid)]
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=60)
+        path = [os.path.dirname(py_spy() or ""), os.environ.get("PATH", "")]
+        env = {**os.environ, "PATH": os.pathsep.join(filter(None, path))}  # stacks: py-spy on PATH
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=60, env=env)
         cache["stacks"], cache["at"] = out.stdout + out.stderr, time.monotonic()
     if name == "rendezvous":
         try:
@@ -240,8 +268,9 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="hang-lab-") as lab_dir:
             row = run(name, lab_dir)
         ok = ok and row["named"]
-        print(f"hang | {name} | seen: {row['seen']} | {row['tool']}: "
-              f"{row['finding'] or 'NOT FOUND'} | {row['seconds']} s", flush=True)  # fmt: skip
+        said = row["finding"] or row["error"] or "NOT FOUND"
+        print(f"hang | {name} | seen: {row['seen']} | {row['tool']}: {said} | "
+              f"{row['seconds']} s", flush=True)  # fmt: skip
     return 0 if ok else 1
 
 

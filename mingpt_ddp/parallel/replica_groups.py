@@ -9,8 +9,9 @@ meet through torchft every step instead of through one process group:
   alive at the start of each step: a group that stops heartbeating for longer than the
   lighthouse's --heartbeat_timeout_ms is left out of the next quorum;
 - the gradients are averaged over the groups in the quorum (the manager's all-reduce, over a
-  process group it rebuilds whenever the quorum changes), and the step is applied only if every
-  member says its all-reduce succeeded (should_commit): a failed step is not counted anywhere;
+  process group it rebuilds whenever the quorum changes), and each group applies the step only if
+  all of its own ranks saw no error (should_commit: a vote inside one group; groups may decide
+  differently): a step not committed is not applied by that group, and is trained again;
 - a group that comes back (its torchrun restarted it) *heals*: in its first quorum the manager
   sees it behind and copies the model, the optimizer state and the step from a live peer, over
   the same process group (PGTransport), and it trains on at the current step. No snapshot is read.
@@ -26,7 +27,9 @@ every group is lost at once.
 
 from __future__ import annotations
 
+import os
 import socket
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -39,7 +42,10 @@ from mingpt_ddp.runtime.distributed import print0
 
 
 def import_torchft():
-    """torchft, or a one-line error naming the extra to install."""
+    """torchft, or a one-line error naming the extra to install. Its Rust half logs every quorum
+    and vote at INFO (about 6 lines a step, which bury the project's): warnings only, unless
+    RUST_LOG says otherwise (RUST_LOG=info shows them)."""
+    os.environ.setdefault("RUST_LOG", "warn")
     try:
         import torchft
         from torchft.checkpointing.pg_transport import PGTransport
@@ -60,6 +66,23 @@ def heal_transport(transport: type, pg, timeout: timedelta):
     return transport(pg, timeout=timeout, device=torch.device("cpu"))
 
 
+@contextmanager
+def lighthouse_named(cfg):
+    """torchft's failure to reach the lighthouse, as one line naming the setting (it is otherwise a
+    RuntimeError and a traceback, whose cause a learner has to dig out)."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "failed to connect" not in str(e):
+            raise
+        where = cfg.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "(unset)")
+        raise ConfigError(
+            f"no torchft lighthouse answered at {where} within {cfg.timeout_s:g} s: start one "
+            "(torchft_lighthouse --min_replicas 1 --bind [::]:29510) or set "
+            "torchft_config.lighthouse (or TORCHFT_LIGHTHOUSE) to its address"
+        ) from None
+
+
 class ReplicaGroupStrategy(GridStrategy):
     """One process of one replica group: the local step of single.py, the gradients averaged over
     the groups of this step's quorum, the update applied only when the quorum commits."""
@@ -70,25 +93,31 @@ class ReplicaGroupStrategy(GridStrategy):
         cfg = self.cfg = args.plan.torchft
         timeout = timedelta(seconds=cfg.timeout_s)
         pg = torchft.ProcessGroupGloo(timeout=timeout)
-        self.manager = torchft.Manager(
-            pg=pg,
-            min_replica_size=1,  # one survivor keeps training
-            load_state_dict=self.heal,
-            state_dict=self.peer_state,
-            use_async_quorum=False,  # heal before the step draws its batch, not during it
-            timeout=timeout,
-            quorum_timeout=timeout,
-            connect_timeout=timeout,
-            lighthouse_addr=cfg.lighthouse or None,
-            replica_id=f"group{cfg.group}",
-            hostname=cfg.hostname or socket.gethostname(),
-            checkpoint_transport=heal_transport(PGTransport, pg, timeout),
-        )
+        with lighthouse_named(cfg):
+            self.manager = torchft.Manager(
+                pg=pg,
+                min_replica_size=1,  # one survivor keeps training
+                load_state_dict=self.heal,
+                state_dict=self.peer_state,
+                use_async_quorum=False,  # heal before the step draws its batch, not during it
+                timeout=timeout,
+                quorum_timeout=timeout,
+                connect_timeout=timeout,
+                lighthouse_addr=cfg.lighthouse or None,
+                replica_id=f"group{cfg.group}",
+                hostname=cfg.hostname or socket.gethostname(),
+                checkpoint_transport=heal_transport(PGTransport, pg, timeout),
+            )
         self.healed, self.joined = False, False
 
     @classmethod
     def check(cls, args: StrategyArgs) -> None:
         plan = args.plan
+        if "MASTER_ADDR" not in os.environ:  # torchft's process group reads torchrun's variables
+            raise ConfigError(
+                "each torchft replica group is a torchrun job of its own: launch it with "
+                "torchrun --nproc_per_node=1 main.py torchft_config.group=G ..."
+            )
         if args.ctx.world_size > 1:
             raise ConfigError(
                 "each torchft replica group is one process here (torchft 0.2.0 runs no reduction "
@@ -144,14 +173,14 @@ class ReplicaGroupStrategy(GridStrategy):
 
     def reduce_gradients(self) -> bool:
         """The gradients averaged over the groups of this step's quorum (one flat all-reduce);
-        whether every group's all-reduce went through (else nobody applies the step)."""
+        whether this group commits the step (should_commit: its ranks saw no error)."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         flat = torch.cat([g.flatten() for g in grads])  # (all gradient elements,)
         self.manager.allreduce(flat).wait()  # the mean over the groups that are there
         for grad, mean in zip(grads, flat.split([g.numel() for g in grads])):
             grad.copy_(mean.view_as(grad))
         committed, self.joined = self.manager.should_commit(), False  # the step's quorum ends
-        if not committed:  # a group failed mid-step: nobody applies it
+        if not committed:  # this group saw an error (a peer lost mid-step): it does not apply it
             print0(
                 f"torchft | step {self.manager.current_step() + 1} not committed by the quorum "
                 "(a group failed during it): nothing applied, the step is trained again"

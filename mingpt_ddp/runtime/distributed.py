@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.runtime import horovodrun
+from mingpt_ddp.runtime.flight_recorder import silent_rank, use_flight_recorder
 
 
 @dataclass(frozen=True)
@@ -119,31 +120,11 @@ def setup_distributed(
     chosen = choose_device(device, gpus, local_rank, local_world_size)
     if chosen.type == "cuda":
         torch.cuda.set_device(chosen)  # one GPU per process, picked by its rank on this node
-        for key, value in flight_recorder_env(trace_dir).items():
-            os.environ.setdefault(key, value)  # a value the user set wins
-    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # the stall report's collective counts
+    use_flight_recorder(trace_dir if chosen.type == "cuda" else None, restart_count)
     _join(chosen, rank, world_size, restart_count, timedelta(seconds=timeout_s))
     return DistContext(
         rank, local_rank, world_size, chosen, restart_count, local_world_size, run_id
     )
-
-
-# Where a rank's flight recorder dump goes: this prefix + its rank.
-TRACE_PREFIX = "nccl_trace_rank_"
-
-
-def flight_recorder_env(trace_dir: str) -> dict[str, str]:
-    """NCCL's flight recorder, for GPU jobs: the last collectives of each rank in a ring buffer,
-    dumped to trace_dir when a collective times out. On a timeout NCCL's watchdog ends the process
-    from a thread of its own (TORCH_NCCL_ASYNC_ERROR_HANDLING, which torchrun sets to 1 for its
-    workers: abort the communicators, end the process): no Python except runs, no exit note, so
-    the dump is what is left to tell the timeout apart from a SIGKILL (silent_rank looks for it).
-    Read a dump with `python -m torch.distributed.flight_recorder.fr_trace`."""
-    return {
-        "TORCH_FR_BUFFER_SIZE": "2000",  # entries; a few hundred bytes each
-        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_FR_DUMP_TEMP_FILE": os.path.join(os.path.abspath(trace_dir or "."), TRACE_PREFIX),
-    }
 
 
 def _launcher_env() -> tuple[int, int, int, int, int, str]:
@@ -223,22 +204,9 @@ def previous_attempt_report(ctx: DistContext) -> str:
         }
     except Exception:  # noqa: BLE001 - a report, never a reason to fail
         return ""
-    parts = [silent_rank(r) for r in range(world) if r not in notes]
+    parts = [silent_rank(r, ctx.restart_count - 1) for r in range(world) if r not in notes]
     parts += [f"rank {r}: {note}" for r, note in notes.items()]
     return f"previous attempt (world size {world}): " + "; ".join(parts)
-
-
-def silent_rank(rank: int) -> str:
-    """Why a rank may have left no exit note: killed outright, or (GPU jobs) ended by NCCL's
-    watchdog after a collective timed out, which leaves a flight recorder dump instead."""
-    prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE", "")
-    trace_file = prefix + str(rank)
-    if prefix and os.path.isfile(trace_file):
-        return f"rank {rank}: a collective timed out (NCCL watchdog); its last ones: {trace_file}"
-    return (
-        f"rank {rank} died without a word (killed: SIGKILL, the OOM killer, a lost node; on GPUs "
-        "also NCCL's watchdog after a collective timeout, when no flight recorder dump was left)"
-    )
 
 
 def teardown_distributed() -> None:

@@ -101,7 +101,11 @@ class StallWatch:
                     self.reported = True
                     self._report()
             except Exception as e:  # noqa: BLE001 - a watcher must never end the training
-                print(f"stall | rank {self.rank} | watcher error: {e}", flush=True)
+                # Mostly the store is gone (its host, torchrun's agent or rank 0, died): say so
+                # once, in one line (the C++ error carries a stack trace), and watch no more.
+                said = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+                print(f"stall | rank {self.rank} | watcher stopped: {said}", flush=True)
+                return
 
     def _sure(self, waited: float) -> bool:
         """Whether rank 0 can say who is behind: a rank that stopped just before the stall began

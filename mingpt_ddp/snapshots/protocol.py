@@ -100,6 +100,7 @@ class Snapshots:
         self.metrics = metrics  # where each save's stall is recorded
         self.failed_saves = 0  # save points in a row that wrote no snapshot (rank 0 counts)
         self._counted_since: dict | None = None  # the snapshot committed when the count started
+        self.resumed_config: dict = {}  # the resumed snapshot's run config ({}: started fresh)
 
     def resume(self) -> None:
         """Continue from the newest usable snapshot, or start fresh. Collective: every rank ends at
@@ -125,6 +126,7 @@ class Snapshots:
             )  # records of an earlier run here are not this run's history
             return
         self.state.load_state_dict(state)
+        self.resumed_config = state.get("config", {})  # the settings it was written under
         print0(f"resume | {self.state.position()} | from {self.store.url}")
         self.metrics.truncate_after(self.state.step)  # steps after the snapshot will be redone
 
