@@ -162,7 +162,7 @@ def measure(layout: dict, size: dict) -> dict:
     losses, idle, sent, ops, saved = [], [], 0.0, {}, SavedBytes(params)
     pipeline = strategy.pipeline
     if pipeline is not None:  # the schedule's step alone: the optimizer's step is no bubble
-        pipeline.schedule.step = StageClock.timed(pipeline.schedule.step, "wall")
+        pipeline.schedule.step = StageClock.common_window(pipeline.schedule.step)
     for step in range(layout["steps"]):
         work = share(layout, step, size, r)
         StageClock.busy = StageClock.wall = 0.0

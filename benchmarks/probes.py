@@ -38,7 +38,14 @@ class SavedBytes:
 
 class StageClock:
     """Time spent computing inside the pipeline's stages (forward and backward chunks, the loss),
-    summed over a step: what the rank was busy with; the rest of the step it waited."""
+    summed over a step: what the rank was busy with; the rest of the step it waited.
+
+    The step is timed on a common clock (common_window): every rank's window opens as all leave
+    one barrier and closes as all leave the next, so the ranks' idle shares are shares of the same
+    stretch of time. Timed by each rank over its own schedule.step, a rank that enters its step
+    late (the last stage, waiting for its first activation) counts that wait as outside the step:
+    at m = 1 on 2 stages the two shares then summed to 0.83, where one chain of work on a common
+    window must leave them summing to at least 1 (each idles while the other computes)."""
 
     busy = wall = 0.0
 
@@ -62,5 +69,21 @@ class StageClock:
                 return method(*args, **kwargs)
             finally:
                 setattr(cls, into, getattr(cls, into) + time.perf_counter() - t0)
+
+        return run
+
+    @classmethod
+    def common_window(cls, step):
+        """step, timed into `wall` from a barrier every rank leaves to the next one."""
+        import torch.distributed as dist
+
+        def run(*args, **kwargs):
+            dist.barrier()
+            t0 = time.perf_counter()
+            try:
+                return step(*args, **kwargs)
+            finally:
+                dist.barrier()
+                cls.wall += time.perf_counter() - t0
 
         return run

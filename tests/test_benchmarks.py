@@ -120,7 +120,7 @@ def test_compare_smoke_mode_times_rows_end_to_end_and_says_why_a_row_cannot_run(
             "--out",
             str(out),
             "--rows",
-            "one process,spawn_launch,Horovod,DDP + pipeline",
+            "one process,spawn_launch,Horovod,no DDP in it",
         ],
         capture_output=True,
         text=True,
@@ -142,8 +142,9 @@ def test_compare_smoke_mode_times_rows_end_to_end_and_says_why_a_row_cannot_run(
         )
     horovod = rows["Horovod"]  # timed where tools/build_horovod.sh built Horovod, else why not
     assert "tools/build_horovod.sh" in horovod.get("skipped", "") or horovod["wall_s"] > 0
-    # The notes' DDP+MP: 2 stages, its batch per replica, so the same tokens as the other rows.
-    assert rows["DDP + pipeline (2 stages, 1F1B)"]["tokens"] == rows["one process"]["tokens"]
+    # The notes' DDP+MP row: 2 stages, its batch per replica, so the same tokens as the others.
+    pipeline = rows["pipeline, 2 stages, 1F1B (1 replica: no DDP in it)"]
+    assert pipeline["tokens"] == rows["one process"]["tokens"]
 
 
 # A stand-in for a nanoGPT checkout (CI has no internet to clone one): its model.py offers what

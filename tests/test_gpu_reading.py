@@ -5,6 +5,7 @@ multi-file snapshot from a filesystem without a copy per rank."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 
@@ -13,7 +14,10 @@ import torch
 import torch.distributed as dist
 
 from mingpt_ddp.config.deepspeed import DeepSpeedConfig
+from mingpt_ddp.config.mesh import MeshConfig
 from mingpt_ddp.config.optimizer import OptimizerConfig
+from mingpt_ddp.config.replica_groups import TorchftConfig
+from mingpt_ddp.config.trainer import TrainerConfig
 from mingpt_ddp.parallel.grid import GridStrategy
 from mingpt_ddp.parallel.plan import CPUScaleGradScaler, Plan, grad_scaler
 from mingpt_ddp.parallel.strategy import StrategyArgs
@@ -193,6 +197,41 @@ def test_a_pre_ampere_gpu_is_labelled_for_what_it_has(pre_ampere):
     assert "bf16 is emulated" in why
     fp32 = Strategy(tiny(), args_for(Plan(parallel="ddp"), device="cuda"))
     assert fp32.precision() == "fp32"  # no TF32 before Ampere, whatever trainer_config.tf32 says
+
+
+@pytest.mark.parametrize(
+    "sections, refusing",
+    [
+        ({"mesh": MeshConfig(pp=2)}, "the pipeline (mesh_config.pp=2)"),
+        ({"mesh": MeshConfig(tp=2)}, "tensor parallelism (mesh_config.tp=2)"),
+        ({"torchft": TorchftConfig(groups=2)}, "torchft"),
+    ],
+)
+def test_auto_is_fp32_on_a_pre_ampere_gpu_where_the_mode_refuses_fp16(
+    pre_ampere, sections, refusing
+):
+    """A V100 or T4 has fp16 or nothing; a pipeline, tensor parallelism and torchft refuse fp16,
+    so auto is fp32 there (a default launch used to stop on the refusal), and the job line says
+    why. DDP and FSDP keep fp16; amp_dtype=auto with use_amp=true is bf16 (emulated), not fp16."""
+    from mingpt_ddp.parallel.grid import check_layout
+    from mingpt_ddp.parallel.plan import precision_of
+
+    gpu = torch.device("cuda", 0)
+    plan = Plan.of(TrainerConfig(), gpu, **sections)
+    assert (plan.use_amp, plan.amp_dtype) == (False, "bf16")
+    assert precision_of(TrainerConfig(), gpu, sections) == (
+        False,
+        "bf16",
+        f"auto: Tesla V100-SXM2 lacks bf16 units and {refusing} refuses fp16, so fp32",
+    )
+    asked = Plan.of(TrainerConfig(use_amp=True), gpu, **sections)
+    assert (asked.use_amp, asked.amp_dtype) == (True, "bf16")
+    if "mesh" in sections:  # the grid's refusal of fp16 is not met
+        args = dataclasses.replace(args_for(plan, "cuda", world_size=2), batch_size=4)
+        check_layout(args, plan.dims(2))
+    for parallel in ("ddp", "fsdp"):
+        kept = Plan.of(TrainerConfig(parallel=parallel), gpu)
+        assert (kept.use_amp, kept.amp_dtype) == (True, "fp16")
 
 
 def test_an_ampere_gpu_says_tf32(monkeypatch):

@@ -9,14 +9,22 @@ from __future__ import annotations
 
 import shutil
 import sys
+import types
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import MAIN, REPO, run, tiny_overrides
 
+from mingpt_ddp.config.deepspeed import DeepSpeedConfig
+from mingpt_ddp.config.optimizer import OptimizerConfig
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.metrics import MetricsLog
+from mingpt_ddp.parallel.horovod import HorovodStrategy
+from mingpt_ddp.parallel.plan import Plan
+from mingpt_ddp.parallel.strategy import StrategyArgs
 from mingpt_ddp.runtime import distributed, horovodrun
+from mingpt_ddp.runtime.distributed import ControlPlane, DistContext
 from mingpt_ddp.snapshots.store import SnapshotStore
 
 HOROVODRUN_ENV = {  # what horovodrun's gloo launcher sets for rank 1 of 2 on one host
@@ -62,6 +70,35 @@ def test_without_horovod_the_error_names_the_build_script(monkeypatch):
     with pytest.raises(ConfigError, match=r"parallel=horovod .*run tools/build_horovod\.sh"):
         horovodrun.import_horovod()
     assert (REPO / horovodrun.BUILD_SCRIPT).is_file()
+
+
+def test_a_gpu_run_needs_a_horovod_built_with_nccl(monkeypatch):
+    """A CPU-only Horovod (tools/build_horovod.sh's) would all-reduce CUDA gradients through host
+    memory without waiting for their copy: refused in one line naming both ways out. A fake
+    horovod.torch stands in for the build, so the refusal shows without a GPU or Horovod."""
+    hvd = types.ModuleType("horovod.torch")
+    hvd.init, hvd.size, hvd.nccl_built = (lambda: None), (lambda: 1), (lambda: 0)
+    monkeypatch.setitem(sys.modules, "horovod", types.ModuleType("horovod"))
+    monkeypatch.setitem(sys.modules, "horovod.torch", hvd)
+    on = lambda device: StrategyArgs(  # noqa: E731
+        Plan(parallel="horovod"),
+        DistContext(0, 0, 1, torch.device(device)),
+        OptimizerConfig(),
+        2,
+        1,
+        ControlPlane(),
+        DeepSpeedConfig(),
+    )
+    with pytest.raises(ConfigError) as refused:
+        HorovodStrategy.check(on("cuda:0"))
+    assert str(refused.value) == (
+        "parallel=horovod on cuda:0 needs a Horovod built with NCCL, and this one is not "
+        "(tools/build_horovod.sh builds for CPUs): build it with HOROVOD_GPU_OPERATIONS=NCCL, "
+        "or set trainer_config.device=cpu"
+    )
+    HorovodStrategy.check(on("cpu"))  # the CPU build's own device
+    hvd.nccl_built = lambda: 21805  # NCCL_VERSION_CODE of a build with NCCL
+    HorovodStrategy.check(on("cuda:0"))
 
 
 # ----------------------------------------------------------------------------- real runs

@@ -71,6 +71,90 @@ def test_balanced_chunks_cover_the_window_and_give_each_rank_the_same_causal_wor
     assert balanced_positions(T, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
 
 
+class _Logged(torch.utils._python_dispatch.TorchDispatchMode):
+    """Logs each batched matmul (a block's compute) into log, beside the ring's posts and waits."""
+
+    def __init__(self, log: list[str]):
+        super().__init__()
+        self.log = log
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.bmm.default:
+            self.log.append("mm")
+        return func(*args, **(kwargs or {}))
+
+
+def _fake_ring(n: int, index: int, log: list[str]):
+    """A RingAttention of n ranks without a group: post() logs and hands the tensor back."""
+    from mingpt_ddp.parallel.ring import RingAttention
+
+    ring = object.__new__(RingAttention)
+    ring.ranks, ring.index, ring._visible = list(range(n)), index, {}
+
+    class InFlight:
+        def __init__(self, tensor, tag):
+            self.tensor, self.tag = tensor, tag
+
+        def wait(self):
+            log.append(f"wait{self.tag}")
+            return self.tensor.clone()
+
+    def post(tensor, tag=0):
+        log.append(f"post{tag}")
+        return InFlight(tensor, tag)
+
+    ring.post = post
+    return ring
+
+
+def test_the_ring_posts_each_send_before_the_block_it_overlaps_and_waits_after_it():
+    """Forward: step s's K, V leave before its block is computed and are waited for after it.
+    Backward: K, V likewise (tag 0); the gradients (tag 1) of a block travel while the next block
+    is computed, waited for just before this rank adds its share, the last hop home at the end."""
+    from mingpt_ddp.parallel.ring import _ring_backward, _ring_forward
+
+    B, nh, T_local, hs, n = 1, 2, 4, 8, 3
+    q, k, v, d_out = (torch.randn(B, nh, T_local, hs) for _ in range(4))
+    log: list[str] = []
+    ring = _fake_ring(n, 1, log)
+    with _Logged(log):
+        out, lse = _ring_forward(q, torch.stack([k, v]), ring)
+    assert log == ["post0", "mm", "mm", "wait0"] * (n - 1) + ["mm", "mm"]
+    log.clear()
+    with _Logged(log):
+        _ring_backward(q, k, v, out, lse, d_out, ring)
+    block = ["mm"] * 5
+    assert log == (
+        ["post0", *block, "post1", "wait0"]  # step 0: nothing to add to yet
+        + ["post0", *block, "wait1", "post1", "wait0"]
+        + [*block, "wait1", "post1"]  # the last step: no K, V to fetch; the gradients go home
+        + ["wait1"]
+    )
+
+
+def test_the_ring_makes_its_masks_on_the_tensors_device_without_a_copy():
+    """No host round trip: positions and masks are made where the tensors are (here "meta",
+    which has no data to copy: a .to() would show as aten._to_copy), once per source."""
+    from mingpt_ddp.parallel.ring import balanced_positions
+
+    seen: list[str] = []
+
+    class Ops(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    ring = _fake_ring(2, 0, [])
+    with Ops():
+        mask = ring.visible(4, 1, torch.device("meta"))
+    assert mask.device.type == "meta" and mask.shape == (4, 4)
+    assert not [op for op in seen if "copy" in op], seen
+    assert ring.visible(4, 1, torch.device("meta")) is mask  # every layer reuses it
+    cpu = ring.visible(4, 1, torch.device("cpu"))  # the same mask as the positions say
+    mine, theirs = balanced_positions(8, 2, 0), balanced_positions(8, 2, 1)
+    assert torch.equal(cpu, mine[:, None] >= theirs[None, :])
+
+
 def test_the_mesh_puts_tp_innermost_and_refuses_degrees_that_do_not_divide():
     plan = Plan(parallel="fsdp", tensor=TensorConfig(degree=2))
     dims = plan.dims(4)

@@ -4,6 +4,7 @@ heartbeat timeout, and the killed group, restarted by its torchrun, heals from i
 snapshot read) and both end at the last step. Skipped where torchft is not installed (its wheels
 are Linux only)."""
 
+import inspect
 import math
 import re
 import sys
@@ -25,6 +26,55 @@ def test_settings_name_the_group_and_its_fix():
         TorchftConfig(groups=2, group=2)
     with pytest.raises(ConfigError, match="timeout_s must be positive"):
         TorchftConfig(groups=2, timeout_s=0)
+
+
+def test_the_timeout_is_torchfts_own_default():
+    """30 s was shorter than torchft's Manager default (60 s for timeout, quorum_timeout and
+    connect_timeout): a group compiling or setting up NCCL in the first step could fail its peers'
+    all-reduce."""
+    assert TorchftConfig().timeout_s == 60.0
+    torchft = pytest.importorskip("torchft")
+    defaults = inspect.signature(torchft.Manager.__init__).parameters
+    for name in ("timeout", "quorum_timeout", "connect_timeout"):
+        assert defaults[name].default == timedelta(seconds=TorchftConfig().timeout_s), name
+
+
+def test_replica_groups_on_one_machine_take_a_gpu_each(monkeypatch):
+    """Each group is a torchrun job of one process: LOCAL_RANK 0 in every one, so the GPU is
+    picked by the group (on a fake machine of 4 GPUs), not all groups on cuda:0."""
+    from mingpt_ddp.runtime import distributed
+    from mingpt_ddp.runtime.distributed import choose_device
+
+    cuda = [torch.device("cuda", i) for i in range(4)]
+    picked = [choose_device("auto", 4, local_rank=0, local_world_size=1, group=g) for g in range(6)]
+    assert picked == cuda + cuda[:2]  # more groups than GPUs: they share, round robin
+    assert choose_device("cuda", 1, 0, 1, group=3) == cuda[0]  # CUDA_VISIBLE_DEVICES=<one GPU>
+    assert choose_device("auto", 4, 0, 1) == cuda[0]  # no torchft: the local rank, as before
+    for key in ("WORLD_SIZE", "RANK", "HOROVOD_RANK", "HOROVOD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(distributed, "_IS_MAIN", None)  # restored after the test
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    assert distributed.setup_distributed(device="auto", group=2).device == cuda[2] == chosen[0]
+
+
+def test_main_hands_the_group_to_the_device_choice(monkeypatch):
+    import main
+
+    seen = []
+
+    def setup(timeout_s, device, trace_dir, group=None):
+        seen.append(group)
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(main, "setup_distributed", setup)
+    for overrides, group in (
+        ([], None),
+        (["torchft_config.groups=3", "torchft_config.group=2"], 2),
+    ):
+        assert main.run(main.to_job(main.compose(overrides))).code == 1 and seen[-1] == group
 
 
 def test_a_healed_group_reads_its_own_windows_of_the_step_it_joins_at():
