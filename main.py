@@ -45,7 +45,7 @@ from mingpt_ddp.launch import (
     hydra_error_line,
     stop_sweep_workers,
 )
-from mingpt_ddp.parallel.plan import choose_precision
+from mingpt_ddp.parallel.plan import precision_of
 from mingpt_ddp.runtime.distributed import (
     DistContext,
     all_gather_objects,
@@ -149,10 +149,11 @@ def run(job) -> Outcome:
     """Train one job (a config.job_schema() instance) on this process's rank."""
     tcfg, ctx, store = job.trainer_config, None, None
     try:
-        ctx = setup_distributed(tcfg.collective_timeout_s, tcfg.device, tcfg.run_dir)
+        group = job.torchft_config.group if job.torchft_config.groups else None  # picks its GPU
+        ctx = setup_distributed(tcfg.collective_timeout_s, tcfg.device, tcfg.run_dir, group)
         if ctx.distributed:  # a SIGKILLed torchrun's workers save and stop, not train on alone
             stop_when_the_launcher_dies()
-        announce_job(ctx, tcfg, job.deepspeed_config)
+        announce_job(ctx, job)
         store = SnapshotStore(tcfg.snapshot_url, tcfg.keep_last, tcfg.s3_endpoint_url)
         trainer = build_trainer(job, ctx, store)
         finished = trainer.train()
@@ -198,13 +199,7 @@ def build_trainer(job, ctx: DistContext, store: SnapshotStore) -> Trainer:
         run_config,
         store,
         job.deepspeed_config,
-        {
-            "pipeline": job.pipeline_config,
-            "tensor": job.tensor_config,
-            "context": job.context_config,
-            "torchft": job.torchft_config,
-            "mesh": job.mesh_config,
-        },
+        config.modes(job),
     )
     if ctx.distributed:  # (a sweep's jobs are single processes: nothing to keep between them)
         _KEEP_UNTIL_EXIT.append(trainer)
@@ -217,13 +212,14 @@ def build_trainer(job, ctx: DistContext, store: SnapshotStore) -> Trainer:
     return trainer
 
 
-def announce_job(ctx: DistContext, tcfg, ds_cfg) -> None:
+def announce_job(ctx: DistContext, job) -> None:
     """The job line (who, where, how many threads, which precision and why) and, after a restart,
     what the previous attempt left."""
-    offloads = tcfg.fsdp_cpu_offload or ds_cfg.offload_optimizer  # the update runs on the CPU
+    tcfg = job.trainer_config
+    offloads = tcfg.fsdp_cpu_offload or job.deepspeed_config.offload_optimizer  # update on CPU
     threads = set_cpu_threads(ctx, tcfg.cpu_threads, optimizer_on_cpu=offloads)
     allocator = keep_freed_cpu_memory(ctx.device, tcfg.cpu_keep_freed_memory)
-    use_amp, amp_dtype, why = choose_precision(tcfg.use_amp, tcfg.amp_dtype, ctx.device)
+    use_amp, amp_dtype, why = precision_of(tcfg, ctx.device, config.modes(job))
     backend = torch.distributed.get_backend() if ctx.distributed else "none"
     print0(
         f"job | world size {ctx.world_size} | backend {backend} | device {ctx.device} | "

@@ -8,6 +8,11 @@
 # release's sdist from PyPI, applies the C++17 change (below) and compiles it against the torch
 # installed here (--no-build-isolation: pip's isolated build would fetch another torch).
 # PYTHON=... picks the interpreter (default python3); MAKEFLAGS=-jN the compile jobs.
+# Needs CMake 3.13 or newer (Horovod's own minimum; its setup.py fetches 3.13 with pip when the
+# cmake on PATH is older, HOROVOD_CMAKE=/path/to/cmake picks another), CMake 4 included: the gloo
+# Horovod bundles declares cmake_minimum_required(VERSION 2.8.12), which CMake 4 refuses
+# ("Compatibility with CMake < 3.5 has been removed"); CMAKE_POLICY_VERSION_MINIMUM=3.5 (below)
+# lets CMake 4 configure it, and CMake 3, which still accepts gloo's line, ignores the variable.
 set -euo pipefail
 PYTHON=${PYTHON:-python3}
 work=$(mktemp -d "${TMPDIR:-/tmp}/horovod-build.XXXXXX")   # never inside the checkout
@@ -53,6 +58,7 @@ unset HOROVOD_GPU HOROVOD_GPU_OPERATIONS HOROVOD_GPU_ALLREDUCE HOROVOD_GPU_BROAD
 export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_CPU_OPERATIONS=gloo
 export HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
 export MAKEFLAGS=${MAKEFLAGS:--j$(nproc)}   # setup.py's default is -j8, whatever the machine
+export CMAKE_POLICY_VERSION_MINIMUM=${CMAKE_POLICY_VERSION_MINIMUM:-3.5}   # CMake 4: gloo (above)
 log="${TMPDIR:-/tmp}/horovod-build.log"
 start=$SECONDS
 torch_version=$("$PYTHON" -c 'import torch; print(torch.__version__)')

@@ -24,8 +24,11 @@ class TorchftConfig:
     variable. Start one with: torchft_lighthouse --min_replicas 1 --bind [::]:29510."""
     hostname: str = ""
     """The name the peers reach this group's manager by; empty: this machine's hostname."""
-    timeout_s: float = 30.0
-    """How long a quorum, an all-reduce across groups or a heal may take before the step fails."""
+    timeout_s: float = 60.0
+    """How long a quorum, an all-reduce across groups or a heal may take before the step fails.
+    60 s is torchft's own Manager default (its timeout, quorum_timeout and connect_timeout): in
+    the first step the other groups wait in the all-reduce for a group still setting up NCCL or
+    compiling (trainer_config.compile), which can take longer than 30 s."""
 
     def __post_init__(self) -> None:
         if self.groups < 0 or (self.groups and not 0 <= self.group < self.groups):

@@ -68,6 +68,14 @@ def job_schema() -> type:
     )
 
 
+PARALLELISMS = ("pipeline", "tensor", "context", "torchft", "mesh")
+
+
+def modes(job: Any) -> dict[str, Any]:
+    """A job's sections of the parallelisms, by the names Plan.of and the Trainer take them."""
+    return {name: getattr(job, f"{name}_config") for name in PARALLELISMS}
+
+
 def unknown_keys(cfg: Any) -> list[str]:
     """The keys of a composed config that the schema lacks (`hydra.*` is Hydra's own), in order."""
     from omegaconf import OmegaConf

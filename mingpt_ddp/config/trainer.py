@@ -84,10 +84,12 @@ class TrainerConfig:
     use_amp: bool | str = "auto"
     """Automatic mixed precision: matmuls in amp_dtype, parameters and optimizer state stay fp32.
     auto: on where the device computes amp_dtype natively (GPUs; CPUs with AVX-512 BF16 or AMX),
-    fp32 elsewhere."""
+    fp32 elsewhere, and fp32 on a GPU without bf16 units under a pipeline, tensor parallelism or
+    torchft (they refuse fp16)."""
     amp_dtype: str = "auto"
     """bf16 (no scaling needed) or fp16 (narrow range: the loss is scaled by a GradScaler), on CPU
-    or GPU; auto: bf16, or fp16 on a GPU without bf16 units (before Ampere)."""
+    or GPU; auto: bf16, or fp16 on a GPU without bf16 units (before Ampere) where the mode takes
+    fp16 (not a pipeline, tensor parallelism or torchft)."""
     tf32: bool = True
     """On NVIDIA GPUs (Ampere and newer), let fp32 matmuls run on TF32 tensor cores (inputs rounded
     to a 10-bit mantissa, fp32 accumulation): several times faster than full fp32. No effect on

@@ -25,6 +25,23 @@ from mingpt_ddp.parallel.strategy import StrategyArgs, check_no_foreign_options
 from mingpt_ddp.runtime.horovodrun import import_horovod
 
 
+def check_gpu_build(hvd, device: torch.device) -> None:
+    """CUDA gradients only with a Horovod that all-reduces them on the GPU (NCCL). Without it
+    DistributedOptimizer hands them to DoAllreduceCudaOnCPU (horovod/torch/mpi_ops_v2.cc), which
+    copies each to host memory asynchronously and waits for that copy only in a GPU build (its
+    ready event is under #if HAVE_GPU); a CPU-only build, what tools/build_horovod.sh makes, then
+    reduces bytes the copy may not have written yet, and its callback, copying the sum back to
+    the GPU, throws ("not compiled with CUDA"), which ends Horovod's background thread. (A CUDA
+    build without NCCL would wait for the copy and be right, only slower: refused all the same,
+    for one build to ask for.)"""
+    if device.type == "cuda" and not hvd.nccl_built():
+        raise ConfigError(
+            f"parallel=horovod on {device} needs a Horovod built with NCCL, and this one is not "
+            "(tools/build_horovod.sh builds for CPUs): build it with "
+            "HOROVOD_GPU_OPERATIONS=NCCL, or set trainer_config.device=cpu"
+        )
+
+
 class HorovodStrategy(GridStrategy):
     """The Trainer's step on a whole model, with Horovod averaging the gradients."""
 
@@ -47,6 +64,7 @@ class HorovodStrategy(GridStrategy):
                 "cp and pp to 1 (or use parallel=ddp or fsdp for a split model)"
             )
         hvd = import_horovod()
+        check_gpu_build(hvd, args.ctx.device)
         hvd.init()  # started already under horovodrun; a plain `python main.py`: a world of one
         if hvd.size() != args.ctx.world_size:
             raise ConfigError(

@@ -53,7 +53,6 @@ class Plan:
         context, torchft, mesh) describe on this device ("auto" precision decided here). The
         degrees are mesh_config's, or their old keys' (tensor_config.degree...): each section
         is given its degree, so its own checks see it."""
-        use_amp, amp_dtype, _ = choose_precision(c.use_amp, c.amp_dtype, device)
         mesh = sections.get("mesh") or MeshConfig()
         pipeline = sections.get("pipeline") or PipelineConfig()
         tensor = sections.get("tensor") or TensorConfig()
@@ -65,11 +64,11 @@ class Plan:
                 "tensor_config.sequence_parallel=true splits the sequence between the ranks of "
                 "tensor parallelism: set mesh_config.tp to 2 or more"
             )
-        return cls(
+        plan = cls(
             c.parallel,
             c.grad_reduce,
-            use_amp,
-            amp_dtype,
+            False,  # decided below, once the modes that refuse fp16 are known
+            "bf16",
             c.fsdp_reshard_after_forward,
             c.fsdp_cpu_offload,
             c.compile,
@@ -81,6 +80,9 @@ class Plan:
             sections.get("torchft") or TorchftConfig(),
             mesh,
         )
+        refused = fp16_refused_by(plan)
+        use_amp, amp_dtype, _ = choose_precision(c.use_amp, c.amp_dtype, device, None, refused)
+        return dataclasses.replace(plan, use_amp=use_amp, amp_dtype=amp_dtype)
 
     def degrees(self) -> dict[str, int]:
         """The model-parallel degrees: {"tp", "cp", "pp"}."""
@@ -110,29 +112,56 @@ def dropout_streams(plan: Plan, world_size: int) -> list[int]:
     return [r // tp for r in range(world_size)]
 
 
+def fp16_refused_by(plan: Plan) -> str:
+    """The part of this plan that refuses fp16, in words ("" if none): a pipeline or tensor
+    parallelism (GradScaler cannot unscale DTensor gradients nor step inside a schedule:
+    grid.check_layout) and torchft (its commit vote knows no skipped steps: replica_groups.py)."""
+    degrees = plan.degrees()
+    if degrees["pp"] > 1:
+        return f"the pipeline (mesh_config.pp={degrees['pp']})"
+    if degrees["tp"] > 1:
+        return f"tensor parallelism (mesh_config.tp={degrees['tp']})"
+    return "torchft" if plan.torchft.groups else ""
+
+
 def choose_precision(
-    use_amp: bool | str, amp_dtype: str, device: torch.device, flags: set[str] | None = None
+    use_amp: bool | str,
+    amp_dtype: str,
+    device: torch.device,
+    flags: set[str] | None = None,
+    fp16_refused: str = "",
 ) -> tuple[bool, str, str]:
     """Resolve trainer_config's "auto" precision for a device: (use_amp, amp_dtype, why, in words).
 
     Mixed precision pays only where the hardware multiplies in 16 bits: bf16 on GPUs that have bf16
     units and CPUs with AVX-512 BF16 or AMX; fp16 tensor cores on older GPUs. A CPU without them
     converts bf16 to fp32 and back around every multiply, slower than fp32 itself, so auto stays in
-    fp32 there. flags: CPU flags to decide from instead of this machine's (tests inject them)."""
+    fp32 there. flags: CPU flags to decide from instead of this machine's (tests inject them).
+    fp16_refused: the mode of the run that refuses fp16 (fp16_refused_by), "" if none: on a GPU
+    without bf16 units auto is then fp32 (and amp_dtype=auto bf16), not an fp16 it would refuse."""
     native, evidence = bf16_native(device, flags)
-    dtype = (
-        amp_dtype if amp_dtype != "auto" else "bf16" if native or device.type != "cuda" else "fp16"
-    )
+    fp16 = device.type == "cuda" and not native and not fp16_refused
+    dtype = amp_dtype if amp_dtype != "auto" else "fp16" if fp16 else "bf16"
     if use_amp != "auto":
         return bool(use_amp), dtype, f"trainer_config.use_amp={str(bool(use_amp)).lower()}"
     if device.type == "cuda":  # every CUDA GPU has 16-bit tensor cores or units of some kind
         if native or dtype == "fp16":
             return True, dtype, f"auto: {evidence}" + ("" if native else ", fp16 tensor cores")
+        if fp16_refused and amp_dtype == "auto":  # V100, T4: fp16 or nothing, and fp16 refused
+            return False, dtype, f"auto: {evidence} and {fp16_refused} refuses fp16, so fp32"
         # amp_dtype=bf16 asked for on a GPU without bf16 units: torch emulates it, in fp32 units
-        return True, dtype, f"auto: {evidence}, so bf16 is emulated (amp_dtype=fp16 is faster)"
+        faster = "" if fp16_refused else " (amp_dtype=fp16 is faster)"
+        return True, dtype, f"auto: {evidence}, so bf16 is emulated{faster}"
     if dtype == "bf16" and native:
         return True, dtype, f"auto: {evidence}"
     return False, dtype, f"auto: {evidence}, so {dtype} would be emulated, slower than fp32"
+
+
+def precision_of(c, device: torch.device, modes: dict) -> tuple[bool, str, str]:
+    """choose_precision for a TrainerConfig and the sections of its parallelisms (Plan.of's), with
+    its reason in words: what the job line says."""
+    refused = fp16_refused_by(Plan.of(c, device, **modes))
+    return choose_precision(c.use_amp, c.amp_dtype, device, None, refused)
 
 
 def tf32_matmuls(device: torch.device) -> bool:

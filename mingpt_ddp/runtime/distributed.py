@@ -58,13 +58,17 @@ class DistContext:
 
 
 def choose_device(
-    requested: str, gpus: int, local_rank: int, local_world_size: int
+    requested: str, gpus: int, local_rank: int, local_world_size: int, group: int | None = None
 ) -> torch.device:
     """The device this rank computes on: its own GPU (picked by its local rank) or the CPU.
 
     requested is trainer_config.device (auto | cpu | cuda); gpus is how many GPUs this
     process can see. Every rank of a node checks the whole node (local_world_size), so
     they all stop with the same message instead of one failing while the others wait.
+    group: torchft_config.group when replica groups are on (else None). Each group is a
+    torchrun job of one process, LOCAL_RANK 0 in every one: the groups on a machine take
+    GPU group % gpus instead of all sharing cuda:0 (CUDA_VISIBLE_DEVICES=<one GPU> per group
+    picks by hand: then the group sees one GPU, cuda:0).
     """
     if requested == "cpu" or (requested == "auto" and gpus == 0):
         return torch.device("cpu")
@@ -81,6 +85,8 @@ def choose_device(
             f"(torchrun --nproc_per_node={gpus}) or set trainer_config.device=cpu to train on "
             "the CPU"
         )
+    if group is not None and local_world_size == 1:
+        return torch.device("cuda", group % gpus)
     return torch.device("cuda", local_rank)
 
 
@@ -96,7 +102,7 @@ def backend_for(device: torch.device) -> str:
 
 
 def setup_distributed(
-    timeout_s: float = 600.0, device: str = "auto", trace_dir: str = ""
+    timeout_s: float = 600.0, device: str = "auto", trace_dir: str = "", group: int | None = None
 ) -> DistContext:
     """Join the process group described by the launcher's environment, or run alone.
 
@@ -104,12 +110,13 @@ def setup_distributed(
     error on the others after that long, instead of a job that hangs forever.
     device is trainer_config.device: auto (a GPU per rank if there are GPUs), cpu, or cuda.
     trace_dir: where a GPU rank's flight recorder dumps its last collectives on a timeout.
+    group: this torchft replica group's number (None without torchft): it picks the GPU.
     """
     global _IS_MAIN
     horovodrun.adopt()  # horovodrun's ranks, in torchrun's variables (nothing under torchrun)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if not launched_with_ranks():
-        chosen = choose_device(device, gpus, local_rank=0, local_world_size=1)
+        chosen = choose_device(device, gpus, local_rank=0, local_world_size=1, group=group)
         if chosen.type == "cuda":
             torch.cuda.set_device(chosen)
         _IS_MAIN = True
@@ -117,9 +124,9 @@ def setup_distributed(
 
     rank, local_rank, world_size, restart_count, local_world_size, run_id = _launcher_env()
     _IS_MAIN = rank == 0  # from here on print0 follows this process's rank
-    chosen = choose_device(device, gpus, local_rank, local_world_size)
+    chosen = choose_device(device, gpus, local_rank, local_world_size, group)
     if chosen.type == "cuda":
-        torch.cuda.set_device(chosen)  # one GPU per process, picked by its rank on this node
+        torch.cuda.set_device(chosen)  # one GPU per process, by its rank on this node (or group)
     use_flight_recorder(trace_dir if chosen.type == "cuda" else None, restart_count)
     _join(chosen, rank, world_size, restart_count, timedelta(seconds=timeout_s))
     return DistContext(

@@ -6,9 +6,12 @@ A hang prints nothing. Every rank waits inside a collective for one rank that ne
 (stopped, stuck in I/O, inside another collective), until collective_timeout_s ends the attempt
 with an error that names no culprit. So each rank runs a watcher thread, apart from the training
 thread, that every second publishes a heartbeat to the job's key-value store: a counter, the step,
-and how many collectives this rank has entered (torch's flight recorder, on CPU too). A process
-that is stopped (SIGSTOP, a debugger) or frozen stops heartbeating with it. When the training
-thread has finished no step for stall_report_s:
+and how many collectives this rank has entered (torch's flight recorders: the CPU one, gloo's, and
+on GPU jobs NCCL's own as well). A process that is stopped (SIGSTOP, a debugger) or frozen stops
+heartbeating with it. On a GPU the training thread runs ahead of the device (kernels and NCCL
+collectives are queued, not waited for), so there a step counts as finished only once a CUDA event
+recorded at its end has passed: the watcher queries it, without blocking, every period. When no
+step has finished for stall_report_s:
 
 - every rank that can writes stall/rank_R.txt beside the metrics: its step, its last collectives
   and the Python stack of every thread (faulthandler: the training thread's stack shows the
@@ -19,37 +22,65 @@ thread has finished no step for stall_report_s:
 
 from __future__ import annotations
 
+import collections
 import faulthandler
 import json
 import os
 import threading
 import time
 
+import torch
 import torch.distributed as dist
 
 PERIOD_S = 1.0  # how often each watcher heartbeats
 SILENT_S = 3 * PERIOD_S  # a rank whose heartbeat has not moved for this long is stopped
 
 
-def collectives(names: bool = False) -> tuple[int, list[str]]:
-    """How many collectives of the default group this rank has entered, and with names, the
-    names of its last few. torch's flight recorder keeps them (2000 entries by default in torch
-    2.13, gloo's too; setup_distributed sets TORCH_FR_BUFFER_SIZE for older torch). This reads
-    the CPU recorder: on GPUs NCCL's collectives are in a recorder of their own, not read here,
-    so there the count is the gloo control plane's (not checked on a GPU)."""
-    try:
-        from torch._C._distributed_c10d import _dump_fr_trace_json
+# The flight recorders each device type's collectives are in: gloo's (CPU tensors) in the CPU one;
+# a GPU job's default group is "cuda:nccl,cpu:gloo" (distributed.backend_for), its NCCL
+# collectives in NCCL's own recorder (FlightRecorder<at::cuda::CUDAEvent>), which CPU builds lack.
+RECORDERS = {
+    "cpu": ("_dump_fr_trace_json",),
+    "cuda": ("_dump_nccl_trace_json", "_dump_fr_trace_json"),
+}
 
-        trace = json.loads(_dump_fr_trace_json(includeCollectives=names))
-    except Exception:  # noqa: BLE001 - no recorder (one process, an older torch): no count
-        return -1, []
+
+def _recorded(dump_name: str, names: bool) -> tuple[int, list[dict]] | None:
+    """How many collectives of the default group (pg 0) one recorder saw enqueued (its sequence
+    numbers start at 1: none is 0) and its entries; None if this torch lacks it or it fails."""
+    try:
+        from torch._C import _distributed_c10d
+
+        trace = json.loads(getattr(_distributed_c10d, dump_name)(includeCollectives=names))
+    except Exception:  # noqa: BLE001 - no such recorder (a CPU build, an older torch): no count
+        return None
     status = trace.get("pg_status", {}).get("0", {})
-    last = [
-        f"#{e['collective_seq_id']} {e['profiling_name']}"
-        for e in trace.get("entries", [])
-        if e.get("pg_id") == 0
-    ]
-    return int(status.get("last_enqueued_collective", -1)), last[-5:]
+    entries = [e for e in trace.get("entries", []) if e.get("pg_id") == 0]
+    return max(int(status.get("last_enqueued_collective", 0)), 0), entries
+
+
+def collectives(names: bool = False, device_type: str = "cpu") -> tuple[int, list[str]]:
+    """How many collectives of the default group this rank has entered, and with names, the
+    names of its last few. torch's flight recorders keep them (2000 entries by default in torch
+    2.13, gloo's too; setup_distributed sets TORCH_FR_BUFFER_SIZE for older torch). On CUDA jobs
+    NCCL's recorder and the CPU one (gloo's control plane) are added up: a rank behind in either
+    is behind. -1 where no recorder could be read (an older torch)."""
+    read = [r for d in RECORDERS.get(device_type, ()) if (r := _recorded(d, names)) is not None]
+    if not read:
+        return -1, []
+    entries = sorted(
+        (e for _, some in read for e in some), key=lambda e: e.get("time_created_ns", 0)
+    )
+    last = [f"#{e['collective_seq_id']} {e['profiling_name']}" for e in entries]
+    return sum(count for count, _ in read), last[-5:]
+
+
+def cuda_event():
+    """An event recorded now on the current CUDA stream: it passes when the work queued before it
+    (the step's kernels, and the NCCL work that stream waits for) is done."""
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def attempt_store(ctx) -> dist.Store | None:
@@ -65,9 +96,17 @@ def attempt_store(ctx) -> dist.Store | None:
 class StallWatch:
     """Watches the training thread's steps from a thread of its own (start/stop, or `with`)."""
 
-    def __init__(self, after_s: float, ctx, out_dir: str, store: dist.Store | None = None):
+    def __init__(
+        self, after_s: float, ctx, out_dir: str, store: dist.Store | None = None, event=None
+    ):
         self.after_s, self.rank, self.world_size = after_s, ctx.rank, ctx.world_size
         self.out_dir, self.store = out_dir, store  # store: this attempt's; None: one process
+        self.device = torch.device(ctx.device)
+        # On a GPU a step's end is an event (event(): one recorded now, with .query()); the
+        # watcher counts the step finished when it has passed. pending: (step, event), oldest first
+        self.event = (event or cuda_event) if self.device.type == "cuda" else None
+        self.pending: collections.deque = collections.deque()
+        self.watching = False  # the watcher thread runs: only then are events kept
         self.step, self.reported, self.beats = 0, False, 0
         self.last, self.seen = time.monotonic(), {}  # both set again when the loop starts
         self._stop = threading.Event()
@@ -80,6 +119,7 @@ class StallWatch:
         # seen (rank 0): rank -> (its last counter, since when); one never heard is silent too
         self.seen = {r: (None, self.last) for r in range(self.world_size)}
         if self.after_s > 0:
+            self.watching = True
             self._thread.start()
         return self
 
@@ -89,12 +129,31 @@ class StallWatch:
             self._thread.join(timeout=5)
 
     def beat(self, step: int) -> None:
-        """A step completed (the training thread; two assignments, no lock needed)."""
+        """The training thread queued a step. On CPU it is done: a few assignments, no lock
+        needed. On a GPU an event marks its end, and the watcher counts it done once the event
+        has passed (deque.append and popleft are thread-safe)."""
+        if self.event is not None and self.watching:
+            self.pending.append((step, self.event()))
+        else:
+            self._finished(step)
+
+    def _finished(self, step: int) -> None:
         self.step, self.last, self.reported = step, time.monotonic(), False
 
+    def _passed(self) -> None:
+        """(watcher) The steps whose end event has passed are done; query() does not block."""
+        done = None
+        while self.pending and self.pending[0][1].query():
+            done = self.pending.popleft()[0]
+        if done is not None:
+            self._finished(done)
+
     def _run(self) -> None:
+        if self.device.type == "cuda":  # this thread's CUDA calls on this rank's GPU, not GPU 0
+            torch.cuda.set_device(self.device)
         while not self._stop.wait(PERIOD_S):
             try:
+                self._passed()
                 self._publish()
                 waited = time.monotonic() - self.last
                 if waited > self.after_s and not self.reported and self._sure(waited):
@@ -105,6 +164,7 @@ class StallWatch:
                 # once, in one line (the C++ error carries a stack trace), and watch no more.
                 said = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
                 print(f"stall | rank {self.rank} | watcher stopped: {said}", flush=True)
+                self.watching = False  # steps count as done when queued again: no events pile up
                 return
 
     def _sure(self, waited: float) -> bool:
@@ -117,7 +177,7 @@ class StallWatch:
         if self.store is None:
             return
         self.beats += 1
-        entered = collectives()[0]
+        entered = collectives(device_type=self.device.type)[0]
         self.store.set(str(self.rank), json.dumps([self.beats, self.step, entered]))
         if self.rank == 0:  # keep, per rank, since when its counter last moved
             now = time.monotonic()
@@ -142,7 +202,7 @@ class StallWatch:
         """stall/rank_R.txt: this rank's step, last collectives and every thread's stack."""
         os.makedirs(os.path.join(self.out_dir, "stall"), exist_ok=True)
         path = os.path.join(self.out_dir, "stall", f"rank_{self.rank}.txt")
-        entered, last = collectives(names=True)
+        entered, last = collectives(names=True, device_type=self.device.type)
         with open(path, "w") as f:
             f.write(f"rank {self.rank} | step {self.step} | collectives entered {entered}\n")
             f.write("last collectives: " + ", ".join(last) + "\n\n")
