@@ -30,6 +30,7 @@ from common import REPO, hardware
 RECORD = os.path.join(REPO, "benchmarks", "results", "quickstart.json")
 PICTURE = os.path.join(REPO, "docs", "images", "loss.png")
 READMES = [os.path.join(REPO, name) for name in ("README.md", "README.zh-CN.md")]
+MEASURED = [os.path.join(REPO, "docs", name) for name in ("measured.md", "zh-CN/measured.md")]
 COMMAND = ["torchrun", "--standalone", "--nproc_per_node=4", "main.py"]
 BLOCK = re.compile(r"(```\n)(job \| .*?)(```)", re.S)  # the READMEs' sample output
 SHOWN = ("job", "data", "lease", "resume", "train", "memory")  # every line of these, then:
@@ -92,6 +93,52 @@ def sample_block(lines: list[str]) -> str:
     )
 
 
+NUMBER, WHOLE = r"[\d.]+", r"\d+"
+# The sentences that quote the record, per page: each a template whose {} take the numbers (for
+# the pattern: what any earlier record may have put there). The English one has a line of its own.
+QUOTED = {
+    "README.md": [
+        "to {} at step 250, below 2.0 by step {}, and to {} at step 2000, "
+        "{} m {} s from launch to exit",
+        "*The run quoted above: {}, {} cores, drawn by `plot.py`.*",
+    ],
+    "README.zh-CN.md": [
+        "降到第 250 步的 {}，第 {} 步之前降到 2.0 以下，第 2000 步降到 {}，"
+        "从启动到退出 {} 分 {} 秒",
+        "*上面引用的那次运行：{}，{} 个核，由 `plot.py` 绘制。*",
+    ],
+    "measured.md": [
+        "val loss {} at step 250, < 2.0 by step {}, **{} at step 2000**; {} min {} s end to end",
+        "the quick start's run the README quotes, on {} ({} cores)",
+    ],
+    "zh-CN/measured.md": [
+        "第 250 步验证损失 {}，第 {} 步前 < 2.0，**第 2000 步 {}**；端到端 {} 分 {} 秒",
+        "README 引用的那次快速上手运行，机器是 {}（{} 个核）",
+    ],
+}
+
+
+def quoted(record: dict) -> list[list[str]]:
+    """What fills the {} of each page's two sentences, for this record."""
+    n, hw = record["numbers"], record["hardware"]
+    minutes, seconds = divmod(round(n["launch_to_exit_s"]), 60)
+    loss = [f"{n['val_loss_250']:.2f}", n["first_eval_below_2"], f"{n['val_loss_2000']:.2f}"]
+    return [[*loss, minutes, seconds], [hw["device"], hw.get("cores")]]
+
+
+def requote(text: str, page: str, record: dict) -> str:
+    """text with the page's sentences filled from record (each must be there once)."""
+    patterns = [NUMBER, WHOLE, NUMBER, WHOLE, WHOLE], [r".+?", WHOLE]
+    for template, fill, kinds in zip(QUOTED[page], quoted(record), patterns):
+        pieces = [re.escape(piece) for piece in template.split("{}")]
+        pattern = "".join(p + k for p, k in zip(pieces, kinds)) + pieces[-1]
+        filled = template.format(*fill)
+        text, found = re.subn(pattern, lambda _, filled=filled: filled, text)
+        if found != 1:
+            sys.exit(f"error: {page} quotes the quick start {found} times, not once: {template!r}")
+    return text
+
+
 def main() -> int:
     with tempfile.TemporaryDirectory(prefix="quickstart-") as work:
         lines, seconds = run_quick_start(work)
@@ -102,16 +149,22 @@ def main() -> int:
         "hardware": hardware(),
         "command": " ".join(COMMAND),
         "numbers": numbers(lines, seconds),
+        "load_average_after": round(os.getloadavg()[0], 2),  # a busy machine's wall time is longer
         "log": lines,
     }
     with open(RECORD, "w") as f:
         json.dump(record, f, indent=1)
-    block = sample_block(lines)
-    for readme in READMES:
-        with open(readme, encoding="utf-8") as f:
-            text = f.read()
-        with open(readme, "w", encoding="utf-8") as f:
-            f.write(BLOCK.sub(lambda m: m[1] + block + "\n" + m[3], text, count=1))
+    # Every page's new text first, then the writes: a page that no longer quotes the run stops
+    # the script before any page is touched.
+    block, texts = sample_block(lines), {}
+    for page in READMES + MEASURED:
+        with open(page, encoding="utf-8") as f:
+            text = BLOCK.sub(lambda m: m[1] + block + "\n" + m[3], f.read(), count=1)
+        name = os.path.relpath(page, os.path.join(REPO, "docs" if page in MEASURED else ""))
+        texts[page] = requote(text, name, record)
+    for page, text in texts.items():
+        with open(page, "w", encoding="utf-8") as f:
+            f.write(text)
     print(f"quickstart | {record['hardware']['device']} | {json.dumps(record['numbers'])}")
     print(f"quickstart | wrote {RECORD}, {PICTURE} and the READMEs' sample output")
     return 0

@@ -12,6 +12,7 @@ README.zh-CN.md must carry the same blocks, in the same order, and the same sect
 from __future__ import annotations
 
 import ast
+import json
 import re
 import shlex
 import subprocess
@@ -324,3 +325,24 @@ def test_the_chinese_pages_use_the_terms_a_reader_of_the_notes_knows():
         "bucket",
     ):
         assert term in glossary, f"the glossary lacks {term}"
+
+
+def test_the_pages_quote_one_recorded_quick_start():
+    """The READMEs' sample output and numbers, measured.md's row and loss.png are one run's:
+    benchmarks/results/quickstart.json, which benchmarks/quickstart_record.py writes with the
+    picture and these quotes. A page quoting another run, or a number typed by hand, fails here."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import quickstart_record as record_script
+
+    record = json.loads(Path(record_script.RECORD).read_text())
+    block = record_script.sample_block(record["log"])
+    for readme in READMES:
+        assert SAMPLE.search(readme.read_text())[1] == block + "\n", readme.name
+    pages = {name: REPO / name for name in ("README.md", "README.zh-CN.md")}
+    pages |= {name: REPO / "docs" / name for name in ("measured.md", "zh-CN/measured.md")}
+    for name, page in pages.items():
+        text = page.read_text()
+        assert record_script.requote(text, name, record) == text, f"{name} quotes another run"
+    # The record is of the quick start's own command, and says the machine it ran on.
+    assert record["command"] == "torchrun --standalone --nproc_per_node=4 main.py"
+    assert record["hardware"]["device"] and record["numbers"]["val_loss_2000"] < 2.0
