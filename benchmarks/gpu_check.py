@@ -1,19 +1,18 @@
 """The acceptance run for a GPU machine: one command, no network, a JSON report to quote.
 
-    python benchmarks/gpu_check.py --out gpu_check.json   # >= 1 GPU (13 min on one H200)
+    python benchmarks/gpu_check.py --out gpu_check.json   # >= 1 GPU (earlier rows: 13 min, H200)
     python benchmarks/gpu_check.py --device cpu           # the rehearsal: every row a CPU runs
     python benchmarks/gpu_check.py --device cpu --only "one process fp16,SIGTERM"   # a subset
     python benchmarks/gpu_check.py --cpu-suite            # also the CPU test suite, GPU hidden
+    python benchmarks/gpu_check.py --plan --gpus 8 --out plan.json   # the rows; runs nothing
 
-Every row is a real training run of main.py with its precision set (trainer_config.use_amp and
-amp_dtype, never "auto") and printed; it passes only if it exits cleanly, every logged loss is
-finite, and the final validation loss is below a ceiling (the untrained loss, ln(vocabulary),
-less 0.3). Distributed rows always run under torchrun: with one GPU, world size 1 over NCCL; the
-multi-rank logic on one GPU runs as 2 ranks on the host's CPU over gloo (device=cpu rows), since
-NCCL refuses two ranks on one device; NCCL rows with several ranks (resume at another world size,
-SIGTERM, kill and restart included) run where there are 2 or more GPUs and say "skipped: 1 GPU"
-otherwise. The report: {"hardware": {name, capability, arch_list, driver, ...}, "rows": [{name,
-precision, world_size, launcher, finite_loss, val_loss, ok, ...}]}; fields that do not apply (a
+Every mode a GPU user can run is a row (the table, and which rows a machine runs and why not:
+benchmarks/gpu_rows.py). A training row is a real run of main.py with its precision set (use_amp
+and amp_dtype, never "auto"); it passes only if it exits cleanly, prints what its mode prints,
+every logged loss is finite, and the final validation loss is below a ceiling (the untrained
+loss, ln(vocabulary), less 0.3). Distributed rows run under torchrun (Horovod's: horovodrun).
+The report: {"hardware": {name, capability, arch_list, driver, ...}, "rows": [{name, precision,
+world_size, launcher, modes, finite_loss, val_loss, ok, ...}]}; fields that do not apply (a
 CPU's capability) are null.
 """
 
@@ -30,9 +29,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 
-from common import REPO, TINY_MODEL, hardware, job_env, main_command, start, wait_for_line
+import common
+import gpu_rows
+from common import MAIN, REPO, TINY_MODEL, job_env, main_command, start
+from gpu_rows import GPU_MODEL, LEARN, PRECISION, Row, command_of, every_row, find_corpus
 
 sys.path.insert(0, REPO)
 
@@ -40,106 +41,8 @@ import torch  # noqa: E402
 
 from mingpt_ddp.metrics import MetricsLog  # noqa: E402
 
-GPU_MODEL = [  # a small model that still gives a GPU some work
-    "gpt_config.n_layer=4",
-    "gpt_config.n_head=4",
-    "gpt_config.n_embd=128",
-    "data_config.block_size=128",
-    "trainer_config.batch_size=16",
-]
-LEARN = ["optimizer_config.learning_rate=1e-2", "optimizer_config.warmup_steps=5"]
-DDP, FSDP = "trainer_config.parallel=ddp", "trainer_config.parallel=fsdp"
-COMPILE = "trainer_config.compile=true"
-OFFLOAD, VIA_RANK0 = "trainer_config.fsdp_cpu_offload=true", "trainer_config.grad_reduce=via_rank0"
-AC, SAMPLE = "trainer_config.activation_checkpointing=full", "trainer_config.sample_chars=64"
-DS_OFFLOAD = ("deepspeed_config.offload_optimizer=true", "deepspeed_config.offload_params=true")
-PRECISION = {
-    "fp32": ["trainer_config.use_amp=false"],
-    "bf16": ["trainer_config.use_amp=true", "trainer_config.amp_dtype=bf16"],
-    "fp16": ["trainer_config.use_amp=true", "trainer_config.amp_dtype=fp16"],
-}
-
-
-@dataclass(frozen=True)
-class Row:
-    """One check: a run of main.py, how it is launched, and what is done to it."""
-
-    name: str
-    precision: str  # fp32 | bf16 | fp16
-    overrides: tuple[str, ...] = ()
-    ranks: int = 1
-    launcher: str = "torchrun"  # torchrun | python
-    check: str = "resume"  # resume | world_size | sigterm | restart
-    device: str = ""  # "" the check's device; "cpu": the host's CPU even on a GPU machine
-    skip: str = ""  # why it cannot run here ("" it can)
-
-
-def plan_rows(device: str, gpus: int, half: str) -> list[Row]:
-    """The rows for this machine: device cuda|cpu, its GPU count, and half, the 16-bit type it
-    multiplies in hardware (bf16 from Ampere on, fp16 before; bf16 on a CPU rehearsal)."""
-    gpu = device == "cuda"
-    # The multi-rank rows' ranks: a GPU each, or 2 (CPU processes; on one GPU, the rows it skips)
-    n = gpus if gpu and gpus >= 2 else 2
-    many = "" if not gpu or gpus >= 2 else "skipped: 1 GPU (NCCL needs a GPU per rank)"
-    offload = "" if gpu else "skipped: needs a GPU (offload moves shards out of GPU memory)"
-    ds = ("trainer_config.parallel=deepspeed", "deepspeed_config.zero_stage=2")
-    ds3 = ("trainer_config.parallel=deepspeed", "deepspeed_config.zero_stage=3")
-    rows = [
-        Row("one process fp32", "fp32", launcher="python"),
-        Row(f"one process {half} autocast", half, launcher="python"),
-        Row("one process fp16 + GradScaler", "fp16", launcher="python"),
-        Row(f"one process compile + {half}", half, (COMPILE,), launcher="python"),
-        Row("one process Muon", "fp32", ("optimizer_config.optimizer=muon",), launcher="python"),
-        Row(
-            "one process async saves",
-            "fp32",
-            ("trainer_config.async_save=true",),
-            launcher="python",
-        ),
-        Row("torchrun x1 DDP", "fp32", (DDP,)),
-        Row(f"torchrun x1 DDP + compile + {half}", half, (DDP, COMPILE)),
-        Row("torchrun x1 DDP, 4 micro-steps", "fp32", (DDP, "trainer_config.grad_accum_steps=4")),
-        Row(f"torchrun x1 FSDP + {half}", half, (FSDP,)),
-        Row("torchrun x1 FSDP fp16 + GradScaler", "fp16", (FSDP,)),
-        Row("torchrun x1 FSDP fp16 + CPU offload", "fp16", (FSDP, OFFLOAD), skip=offload),
-        Row(f"torchrun x1 DeepSpeed ZeRO-2 {half}", half, ds),
-        Row(f"torchrun x1 DeepSpeed ZeRO-3 {half}", half, ds3),
-        Row(f"torchrun x1 DeepSpeed ZeRO-3 + offload {half}", half, ds3 + DS_OFFLOAD, skip=offload),
-        Row(f"one process activation checkpointing + {half}", half, (AC,), launcher="python"),
-        Row(
-            f"torchrun x1 FSDP + activation checkpointing + compile + {half}",
-            half,
-            (FSDP, AC, COMPILE),
-        ),
-        Row("one process sampling during training", "fp32", (SAMPLE,), launcher="python"),
-        Row(f"torchrun x{n} DDP", "fp32", (DDP,), n, skip=many),
-        Row(f"torchrun x{n} DDP, gradients via rank 0", "fp32", (DDP, VIA_RANK0), n, skip=many),
-        Row(f"torchrun x{n} FSDP + {half}", half, (FSDP,), n, skip=many),
-        Row(f"torchrun x{n} FSDP, resumed at x1", half, (FSDP,), n, check="world_size", skip=many),
-        Row(
-            f"torchrun x{n} SIGTERM: saves its step, resumes",
-            "fp32",
-            (DDP,),
-            n,
-            check="sigterm",
-            skip=many,
-        ),
-        Row(
-            f"torchrun x{n} worker killed: restart, finish",
-            "fp32",
-            (DDP,),
-            n,
-            check="restart",
-            skip=many,
-        ),
-    ]
-    if gpu:  # the multi-rank logic on any GPU count, and the CPU path of a GPU host
-        cpu = dict(ranks=2, device="cpu")
-        rows += [
-            Row("device=cpu on the GPU host: DDP x2 over gloo", "fp32", (DDP,), **cpu),
-            Row("device=cpu on the GPU host: FSDP x2 over gloo", "fp32", (FSDP,), **cpu),
-        ]
-    return rows
+REPORT = "benchmarks/results/gpu_check.json"
+COMMANDS = ("tests", "cross_format", "sample", "bench", "suite")  # rows that are commands
 
 
 class Check:
@@ -154,28 +57,25 @@ class Check:
     def wanted(self, name: str) -> bool:
         return not self.only or any(p.strip().lower() in name.lower() for p in self.only.split(","))
 
-    def args(self, row: Row, run_dir: str) -> list[str]:
+    def args(self, row: Row, run_dir: str, more=()) -> list[str]:
         model = GPU_MODEL if self.device == "cuda" else [f"{k}={v}" for k, v in TINY_MODEL.items()]
-        base = [
-            *model,
-            *LEARN,
-            *PRECISION[row.precision],
-            *row.overrides,
-            f"data_config.path={self.data}",
-            f"data_config.cache_dir={self.work}/prepared",
-            f"trainer_config.run_dir={run_dir}",
-            f"trainer_config.device={row.device or self.device}",
-            "trainer_config.log_every=5",
-            "trainer_config.eval_iters=4",
-            "trainer_config.sample_chars=0",
-            f"trainer_config.save_every={self.steps}",
-            f"trainer_config.eval_every={self.steps // 2}",
-        ]
-        # A row's own setting of a key replaces the base's (Hydra refuses a key given twice)
-        mine = {o.split("=")[0] for o in row.overrides}
-        return [o for o in base if o.split("=")[0] not in mine or o in row.overrides]
+        base = [*model, *LEARN, *PRECISION[row.precision], *row.overrides,
+                f"data_config.path={self.data}", f"data_config.cache_dir={self.work}/prepared",
+                f"trainer_config.run_dir={run_dir}",
+                f"trainer_config.device={row.device or self.device}",
+                "trainer_config.log_every=5", "trainer_config.eval_iters=4",
+                "trainer_config.sample_chars=0", f"trainer_config.save_every={self.steps}",
+                f"trainer_config.eval_every={self.steps // 2}"]  # fmt: skip
+        # A row's own setting of a key replaces the base's, and a check's (more) both: Hydra
+        # refuses a key given twice
+        keys = lambda overrides: {o.split("=")[0] for o in overrides}
+        base = [o for o in base if o.split("=")[0] not in keys(row.overrides) or o in row.overrides]
+        return [o for o in base if o.split("=")[0] not in keys(more)] + list(more)
 
     def command(self, row: Row, args: list[str], ranks: int, flags=()) -> list[str]:
+        if row.launcher == "horovodrun":  # gloo's controller; the NCCL build's ops on GPUs
+            hosts = ["-np", str(ranks), "-H", f"localhost:{ranks}", "--gloo"]
+            return [gpu_rows.horovodrun(), *hosts, sys.executable, MAIN, *args]
         return main_command(ranks, args, tuple(flags), torchrun=row.launcher == "torchrun")
 
     def run(self, cmd: list[str]) -> subprocess.CompletedProcess:
@@ -184,19 +84,13 @@ class Check:
     def row(self, row: Row) -> None:
         if not self.wanted(row.name):
             return
-        result = {
-            "name": row.name,
-            "precision": row.precision,
-            "world_size": row.ranks,
-            "launcher": row.launcher,
-            "device": row.device or self.device,
-            "finite_loss": None,
-            "val_loss": None,
-            "ok": False,
-        }
+        result = {"name": row.name, "precision": row.precision, "world_size": row.ranks}
+        result |= {"launcher": row.launcher, "device": row.device or self.device}
+        result |= {"modes": list(row.modes), "finite_loss": None, "val_loss": None, "ok": False}
         t0 = time.perf_counter()
-        if row.skip:
-            result.update(ok=None, skipped=row.skip)
+        skip = row.skip or gpu_rows.missing(row, row.device or self.device)
+        if skip:
+            result.update(ok=None, skipped=skip)
         else:
             run_dir = os.path.join(self.work, re.sub(r"\W+", "_", row.name).strip("_"))
             try:
@@ -206,8 +100,8 @@ class Check:
                 result["detail"] = str(e)[-2500:]
         result["seconds"] = round(time.perf_counter() - t0, 1)
         self.rows.append(result)
-        say = "skip" if row.skip else "pass" if result["ok"] else "FAIL"
-        numbers = row.skip or f"val {result['val_loss']} (ceiling {self.ceiling:.2f})"
+        say = "skip" if skip else "pass" if result["ok"] else "FAIL"
+        numbers = skip or f"val {result['val_loss']} (ceiling {self.ceiling:.2f})"
         print(f"{say:4} | {row.name} | {row.precision} | {numbers} | {result['seconds']} s")
 
     def judge(self, run_dir: str) -> dict:
@@ -227,11 +121,22 @@ class Check:
         )
         return result.stdout
 
+    def expect(self, row: Row, out: str) -> None:
+        """What the row's mode prints (its layout in the `train` line, a sample) was printed."""
+        absent = [e for e in row.expect if e not in out]
+        assert not absent, f"not printed: {absent}:\n{out[-2500:]}"
+
+    def check_train(self, row: Row, run_dir: str) -> None:
+        """One run: what a row shows in one run (a layout; a precision at several ranks)."""
+        args = self.args(row, run_dir, [f"trainer_config.max_steps={self.steps}"])
+        self.expect(row, self.ok(self.run(self.command(row, args, row.ranks))))
+
     def check_resume(self, row: Row, run_dir: str, resume_ranks: int = 0) -> None:
         """Train, snapshot, then resume from that snapshot (at resume_ranks ranks; 0: the same)
         to half as many steps again."""
         args, n = self.args(row, run_dir), self.steps
-        self.ok(self.run(self.command(row, args + [f"trainer_config.max_steps={n}"], row.ranks)))
+        first = self.run(self.command(row, args + [f"trainer_config.max_steps={n}"], row.ranks))
+        self.expect(row, self.ok(first))
         more = args + [f"trainer_config.max_steps={n * 3 // 2}"]
         ranks = resume_ranks or row.ranks
         self.ok(self.run(self.command(row, more, ranks)), f"resume | step {n} |")
@@ -245,7 +150,7 @@ class Check:
         resumes from exactly that step."""
         args = self.args(row, run_dir) + ["trainer_config.max_steps=100000"]
         job = start(self.command(row, args, row.ranks))
-        wait_for_line(job, f"step {2 * 5:>6}/", timeout=300)
+        common.wait_for_line(job, f"step {2 * 5:>6}/", timeout=300)
         job.send_signal(signal.SIGTERM)
         out = job.communicate(timeout=300)[0]
         saved = re.findall(r"snapshot \| step (\d+) ", out)
@@ -256,15 +161,71 @@ class Check:
 
     def check_restart(self, row: Row, run_dir: str) -> None:
         """A worker SIGKILLed mid-run: torchrun restarts the group, which resumes and finishes."""
-        from common import worker_pid
-
         args = self.args(row, run_dir) + [f"trainer_config.max_steps={self.steps * 3}"]
         flags = ("--max-restarts=1", "--monitor-interval=1")
         job = start(self.command(row, args, row.ranks, flags))
-        wait_for_line(job, f"step {2 * 5:>6}/", timeout=300)
-        os.kill(worker_pid(job.pid, 1), signal.SIGKILL)
+        common.wait_for_line(job, f"step {2 * 5:>6}/", timeout=300)
+        os.kill(common.worker_pid(job.pid, 1), signal.SIGKILL)
         out = job.communicate(timeout=600)[0]
         assert job.returncode == 0 and "restart | torchrun restarted" in out, out[-2500:]
+
+    def check_stall(self, row: Row, run_dir: str) -> None:
+        """A worker SIGSTOPped after its first logged step: within seconds rank 0's stall report
+        (trainer_config.stall_report_s) names it; SIGCONT, and the job finishes."""
+        n = 10 * self.steps  # enough that the job is still training when rank 1 stops
+        cadence = {"max_steps": n, "save_every": n, "eval_every": n // 2}
+        args = self.args(row, run_dir, [f"trainer_config.{k}={v}" for k, v in cadence.items()])
+        job = start(self.command(row, args, row.ranks))
+        try:
+            common.wait_for_line(job, f"step {5:>6}/", timeout=300)
+            pid = common.worker_pid(job.pid, 1)
+            assert pid is not None, "rank 1 ended before it could be stopped"
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                said = common.wait_for_line(job, "rank 1 silent for", timeout=120)[-1]
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            out = job.communicate(timeout=600)[0]
+        except BaseException:
+            common.kill_tree(job)
+            raise
+        named = said.startswith("stall | no step for")
+        assert job.returncode == 0 and named, f"exit {job.returncode}: {said}\n{out[-2500:]}"
+
+    def check_torchft(self, row: Row, run_dir: str) -> None:
+        """Two replica groups of one rank, each a torchrun job, meeting at a lighthouse that waits
+        for both (the survivor cannot finish before the killed group is back, however slow its
+        restart); group 1 SIGKILLed mid-run: torchrun restarts it, and it heals from group 0."""
+        from fault_tolerance import Lighthouse
+
+        jobs = []
+        try:
+            with Lighthouse(min_groups=2) as lighthouse:
+                for g, where in enumerate((run_dir, run_dir + "_group1")):
+                    jobs.append(self.replica_group(row, lighthouse.url, g, where))
+                codes = [job.wait(timeout=600) for job in jobs]
+        finally:
+            for job in jobs:
+                common.kill_tree(job.proc) if job.proc.poll() is None else None
+        text = jobs[1].text()
+        after = text.split("fault | rank 0 | kill", 1)
+        healed = r"heal \| step \d+ -> \d+ \| copied from a live replica group"
+        ok = codes == [0, 0] and len(after) == 2 and re.search(healed, after[1])
+        assert ok, f"exits {codes}, group 1 killed and healed?\n{text[-2500:]}"
+
+    def replica_group(self, row: Row, url: str, g: int, run_dir: str):
+        """Group g of 2 (group 1 killed before step steps/2 + 1), its own GPU on a GPU row."""
+        from fault_tolerance import FAULTY, Stamped
+
+        more = [f"trainer_config.max_steps={2 * self.steps}", f"torchft_config.group={g}"]
+        env = {"TORCHFT_LIGHTHOUSE": url, "OMP_NUM_THREADS": "1"}
+        env["FAULT"] = f"kill:0:{self.steps // 2}"  # read by faulty_main.py, group 1's alone
+        if (row.device or self.device) == "cuda":  # each group sees one GPU, its cuda:0
+            visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+            env["CUDA_VISIBLE_DEVICES"] = visible[g] if visible else str(g)
+        flags = ("--max-restarts=1", "--monitor-interval=0.5")
+        cmd = main_command(1, self.args(row, run_dir, more), flags, FAULTY if g else MAIN, True)
+        return Stamped(cmd, env)
 
     def command_row(self, name: str, cmd: list[str], expect: str, env=None) -> None:
         """A row that is one command (tests, consolidation, sampling, the benchmark)."""
@@ -276,22 +237,21 @@ class Check:
         ok = result.returncode == 0 and expect in out
         row = {"name": name, "precision": None, "world_size": None, "launcher": "python"}
         row.update(finite_loss=None, val_loss=None, ok=ok, seconds=round(time.perf_counter() - t0))
-        if not ok:
-            row["detail"] = out[-2500:]
+        row |= {} if ok else {"detail": out[-2500:]}
         self.rows.append(row)
         print(f"{'pass' if ok else 'FAIL'} | {name} | {row['seconds']} s")
 
 
-def cross_format(c: Check, half: str) -> None:
-    """One snapshot through every format: DDP, resumed by FSDP, consolidated into one file,
-    resumed by one process, then sampled from."""
-    name = "cross-format: DDP -> FSDP -> consolidate -> one process"
+def cross_format(c: Check, planned: Row) -> None:
+    """One snapshot through every format: DDP, resumed by FSDP, consolidated into one file (the
+    sample row resumes it in one process and samples from it)."""
+    name, half = planned.name, planned.precision
     if not c.wanted(name):
         return
     run_dir = os.path.join(c.work, "cross")
     t0, n, ok, detail = time.perf_counter(), c.steps, True, ""
-    for steps, mode, launcher in [(n, DDP, "torchrun"), (2 * n, FSDP, "torchrun")]:
-        row = Row(name, half, (mode,), launcher=launcher)
+    for steps, mode in [(n, "ddp"), (2 * n, "fsdp")]:
+        row = Row(name, half, (f"trainer_config.parallel={mode}",))
         args = c.args(row, run_dir) + [f"trainer_config.max_steps={steps}"]
         result = c.run(c.command(row, args, 1))
         ok = ok and result.returncode == 0
@@ -302,67 +262,19 @@ def cross_format(c: Check, half: str) -> None:
     ok = ok and result.returncode == 0 and os.path.isfile(single)
     c.rows.append(
         {"name": name, "precision": half, "world_size": 1, "launcher": "torchrun", "ok": ok}
-        | {"finite_loss": None, "val_loss": None, "seconds": round(time.perf_counter() - t0)}
+        | {"modes": list(planned.modes), "finite_loss": None, "val_loss": None}
+        | {"seconds": round(time.perf_counter() - t0)}
         | ({} if ok else {"detail": detail + result.stderr[-1200:]})
     )
     print(f"{'pass' if ok else 'FAIL'} | {name} | {half}")
-    sample = [sys.executable, os.path.join(REPO, "sample.py"), "--snapshot", single]
-    c.command_row(
-        f"sample.py on {c.device}",
-        sample + ["--device", c.device, "--chars", "50"],
-        expect=f"# step {2 * n}",
-    )
 
 
-def report_hardware(device: str) -> dict:
-    """What the report says of the machine; every key present, null where it does not apply."""
-    info = {**hardware(), "name": None, "capability": None, "arch_list": None, "driver": None}
-    info |= {"cuda": torch.version.cuda, "nccl": None, "bf16_units": None, "memory_gib": None}
-    info["built_for_this_gpu"] = None
-    if device == "cuda" and torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        info |= {
-            "name": props.name,
-            "capability": f"{props.major}.{props.minor}",
-            "arch_list": torch.cuda.get_arch_list(),
-            "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-            "bf16_units": torch.cuda.is_bf16_supported(including_emulation=False),
-            "memory_gib": round(props.total_memory / 2**30, 1),
-        }
-        # A CUDA build compiles kernels for a list of architectures; a GPU outside it (sm_70 in
-        # a build without it) fails at the first kernel, or runs slower PTX.
-        sm = f"sm_{props.major}{props.minor}"
-        info["built_for_this_gpu"] = sm in info["arch_list"]
-        if shutil.which("nvidia-smi"):
-            smi = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-            )
-            info["driver"] = (smi.stdout.strip().splitlines() or [None])[0]
+def run_command(c: Check, row: Row) -> None:
+    """A row that is a command: cross-format, or one command (gpu_rows.command_of)."""
+    if row.check == "cross_format":
+        cross_format(c, row)
     else:
-        info["name"] = info["device"]
-    return info
-
-
-def find_corpus(given: str) -> str:
-    """The corpus to train on, found without the network: --data, $TINYSHAKESPEARE_PATH, the
-    shared copy beside the checkout, or the checkout's data/; else a one-line error."""
-    candidates = [
-        given,
-        os.environ.get("TINYSHAKESPEARE_PATH", ""),
-        os.path.join(os.path.dirname(REPO), "shared", "data", "tinyshakespeare", "input.txt"),
-        os.path.join(REPO, "data", "tinyshakespeare", "input.txt"),
-    ]
-    found = next((os.path.abspath(p) for p in candidates if p and os.path.isfile(p)), None)
-    if given and not os.path.isfile(given):
-        found = None  # a corpus asked for by name that is not there is an error, not a fallback
-    if found is None:
-        sys.exit(
-            f"error: no corpus at {given or 'data/tinyshakespeare/input.txt'}; pass --data FILE "
-            "or run python data/fetch_shakespeare.py where there is a network"
-        )
-    return found
+        c.command_row(row.name, *command_of(row, c.data, c.work, c.device, c.steps))
 
 
 def main() -> int:
@@ -371,13 +283,18 @@ def main() -> int:
     p.add_argument("--only", default="", help="comma-separated parts of the row names to run")
     p.add_argument("--cpu-suite", action="store_true", help="also the CPU test suite, GPU hidden")
     p.add_argument("--data", default="", help="the corpus (default: found locally, see above)")
-    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "gpu_check.json"))
+    p.add_argument("--out", default="", help=f"the JSON (default: {REPORT})")
+    p.add_argument("--plan", action="store_true", help="list the rows (JSON to --out), run none")
+    p.add_argument("--gpus", type=int, help="with --plan: GPUs to plan for (default: those seen)")
     args = p.parse_args()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.plan:  # for --gpus, or the GPUs here
+        gpus = gpus if args.gpus is None else args.gpus
+        return gpu_rows.write_plan(args.device, gpus, args.cpu_suite, args.out)
     if args.device == "cuda" and gpus == 0:
         print("gpu_check | no CUDA device visible: nothing checked (--device cpu rehearses)")
         return 0
-    hw = report_hardware(args.device)
+    hw = gpu_rows.report_hardware(args.device)
     print("hardware | " + " | ".join(f"{k} {v}" for k, v in hw.items() if v is not None))
     if hw["built_for_this_gpu"] is False:
         print(
@@ -391,47 +308,20 @@ def main() -> int:
         run_all(c, gpus, half, args.cpu_suite)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return write_report(c, hw, args.out)
+    return write_report(c, hw, args.out or os.path.join(REPO, REPORT))
 
 
 def run_all(c: Check, gpus: int, half: str, cpu_suite: bool) -> None:
-    pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-    if c.device == "cuda":
-        # The tests find the corpus through the environment; without it they skip, and a row
-        # of skips is no check (seen on the first H200 run).
-        c.command_row(
-            "CUDA-only tests",
-            pytest + [os.path.join(REPO, "tests", "test_cuda.py")],
-            " passed",
-            env={"TINYSHAKESPEARE_PATH": c.data},
-        )
-    for row in plan_rows(c.device, gpus, half):
-        c.row(row)
-    cross_format(c, half)
-    if c.device == "cuda":
-        bench = [sys.executable, os.path.join(REPO, "benchmarks", "bench.py"), "--data", c.data]
-        out = os.path.join(c.work, "bench.json")
-        c.command_row(
-            "bench.py --recipe shakespeare-gpu",
-            bench + ["--recipe", "shakespeare-gpu", "--out", out],
-            "| mode |",
-        )
-    if cpu_suite:
-        c.command_row(
-            "CPU suite, GPU hidden",
-            pytest + [os.path.join(REPO, "tests")],
-            " passed",
-            env={"CUDA_VISIBLE_DEVICES": ""},
-        )
+    """Every row of the table for this machine, in its order (what --plan lists)."""
+    for row in every_row(c.device, gpus, half, cpu_suite):
+        run_command(c, row) if row.check in COMMANDS else c.row(row)
 
 
 def write_report(c: Check, hw: dict, out: str) -> int:
     failed = [r["name"] for r in c.rows if r["ok"] is False]
     skipped = sum(r["ok"] is None for r in c.rows)
-    print(
-        f"\n{len(c.rows) - len(failed) - skipped} passed, {len(failed)} failed, "
-        f"{skipped} skipped  (device {c.device}: {hw['name']})"
-    )
+    print(f"\n{len(c.rows) - len(failed) - skipped} passed, {len(failed)} failed, "
+          f"{skipped} skipped  (device {c.device}: {hw['name']})")  # fmt: skip
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump({"hardware": hw, "device": c.device, "rows": c.rows}, f, indent=1)
