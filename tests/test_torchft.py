@@ -18,7 +18,7 @@ from mingpt_ddp.corpus.order import DataCursor
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.metrics import MetricsLog
 
-STEPS, KILL = 300, 100
+STEPS, KILL = 400, 100  # the survivor trains 300 steps on: a loaded restart must find it there
 
 
 def test_settings_name_the_group_and_its_fix():
