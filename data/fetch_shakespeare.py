@@ -65,7 +65,7 @@ def ensure_tinyshakespeare(
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument(
         "--source", help="URL or local file to take the corpus from (default: $TINYSHAKESPEARE_URL)"
     )

@@ -53,9 +53,9 @@ class TrainState:
         self.saved_world_size = ctx.world_size  # of the snapshot resumed from
 
     def replicas_words(self) -> str:
-        """ "2 ranks", or with a pipeline "2 replicas" (each of several ranks)."""
-        pipelines = self.replicas != self.ctx.world_size
-        return f"{self.replicas} {'replicas' if pipelines else 'ranks'}"
+        """ "2 ranks" ("1 rank"), or with a pipeline "2 replicas" (each of several ranks)."""
+        word = "replica" if self.replicas != self.ctx.world_size else "rank"
+        return f"{self.replicas} {word}{'s' * (self.replicas != 1)}"
 
     @property
     def global_batch(self) -> int:
