@@ -119,6 +119,30 @@ def test_a_heal_travels_through_host_memory_whatever_the_models_device():
     assert transport._device == torch.device("cpu")
 
 
+def test_a_heal_copies_how_the_peer_computes_too():
+    """Each group times attention's precision at start; a healed group must compute as its peer
+    does (the walkthrough saw bf16 attention beside a peer's fp32), so it takes the peer's."""
+    pytest.importorskip("torchft")
+    from types import SimpleNamespace
+
+    from mingpt_ddp.parallel.replica_groups import ReplicaGroupStrategy as Groups
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    peer = SimpleNamespace(model=model, optimizers=[optimizer])
+    peer.snapshot_meta = lambda: {"scaler": {}, "attention_fp32": True}
+    sent = Groups.peer_state(peer)
+    assert sent["meta"] == {"scaler": {}, "attention_fp32": True}
+    applied = []
+    me = SimpleNamespace(model=torch.nn.Linear(2, 2), optimizers=[optimizer], healed=False)
+    me.attention_choice = "attention fp32 (as the snapshot's run)"
+    me.load_snapshot_meta = applied.append
+    Groups.heal(me, sent)
+    assert applied == [sent["meta"]] and me.healed
+    assert me.attention_choice == "attention fp32 (as the peer)"
+    assert torch.equal(me.model.weight, model.weight)
+
+
 @pytest.mark.slow
 def test_an_unreachable_lighthouse_is_one_line_naming_the_setting(shakespeare, tmp_path):
     pytest.importorskip("torchft")

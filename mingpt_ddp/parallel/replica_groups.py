@@ -158,10 +158,14 @@ class ReplicaGroupStrategy(GridStrategy):
 
     def heal(self, state: dict) -> None:
         """torchft's load_state_dict: a live peer's model and optimizer state (not its data
-        position: that is a function of the step, and each group reads its own windows)."""
+        position: that is a function of the step, and each group reads its own windows), and how
+        it computes: the loss scale and attention's precision, which each group timed for itself
+        at start and may have chosen differently (the walkthrough saw bf16 beside fp32)."""
         self.model.load_state_dict(state["model"])
         for optimizer, saved in zip(self.optimizers, state["optimizers"]):
             optimizer.load_state_dict(saved)
+        self.load_snapshot_meta(state.get("meta", {}))
+        self.attention_choice = self.attention_choice.replace("the snapshot's run", "the peer")
         self.healed = True
 
     def peer_state(self) -> dict:
@@ -169,6 +173,7 @@ class ReplicaGroupStrategy(GridStrategy):
         return {
             "model": self.model.state_dict(),
             "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
+            "meta": self.snapshot_meta(),  # the loss scale, attention's precision
         }
 
     def reduce_gradients(self) -> bool:
