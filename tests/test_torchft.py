@@ -18,7 +18,7 @@ from mingpt_ddp.corpus.order import DataCursor
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.metrics import MetricsLog
 
-STEPS, KILL = 400, 100  # the survivor trains 300 steps on: a loaded restart must find it there
+STEPS, KILL = 700, 100  # the survivor trains 600 steps on: a loaded restart must find it there
 
 
 def test_settings_name_the_group_and_its_fix():
@@ -205,7 +205,7 @@ def test_a_killed_group_heals_from_its_peer_while_the_other_trains_on(shakespear
     out = killed.text().split("restart 1 |", 1)
     assert f"fault | rank 0 | kill before step {KILL + 1}" in out[0] and len(out) == 2
     healed = [int(s) for s in re.findall(r"heal \| step 0 -> (\d+) \|", out[1])]
-    assert healed and healed[0] > KILL, out[1][-2000:]  # rejoined where the survivor was
+    assert healed and healed[0] > KILL, out[1][:1500] + out[1][-800:]  # where the survivor was
     assert "resume |" not in out[1]  # healed from the peer: no snapshot read
     # The survivor's steps: every one logged once, the longest gap bounded by the heartbeat
     steps = survivor.steps()  # from 1, or from where it healed to if its peer started first
