@@ -152,16 +152,16 @@ def main() -> int:
         "load_average_after": round(os.getloadavg()[0], 2),  # a busy machine's wall time is longer
         "log": lines,
     }
-    with open(RECORD, "w") as f:
-        json.dump(record, f, indent=1)
     # Every page's new text first, then the writes: a page that no longer quotes the run stops
-    # the script before any page is touched.
+    # the script before the record or any page is touched.
     block, texts = sample_block(lines), {}
     for page in READMES + MEASURED:
         with open(page, encoding="utf-8") as f:
             text = BLOCK.sub(lambda m: m[1] + block + "\n" + m[3], f.read(), count=1)
         name = os.path.relpath(page, os.path.join(REPO, "docs" if page in MEASURED else ""))
         texts[page] = requote(text, name, record)
+    with open(RECORD, "w") as f:
+        json.dump(record, f, indent=1)
     for page, text in texts.items():
         with open(page, "w", encoding="utf-8") as f:
             f.write(text)
