@@ -20,6 +20,7 @@ from torch.nn import functional as F
 
 from mingpt_ddp.config.model import MODEL_SIZES, GPTConfig  # noqa: F401 - the model's config, for learners
 from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.moe import MoE
 
 # Named sizes (layers, heads, width): the options of the `model` config group
 # (mingpt_ddp/config/schema.py), e.g. python main.py model=gpt-mini. Most are minGPT's; gpt-micro is
@@ -144,7 +145,8 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.mlp = MLP(cfg)
+        # A mixture of experts in place of the MLP where gpt_config.n_experts > 0 (moe.py).
+        self.mlp = MoE(cfg, ACTIVATIONS[cfg.activation]) if cfg.n_experts else MLP(cfg)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), rope)
@@ -206,7 +208,13 @@ class GPT(nn.Module):
         """Training FLOPs per token (forward + backward): 6N for the matmuls plus attention (PaLM
         appendix B)."""
         cfg = self.config
-        return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+        return 6 * self.active_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+
+    def active_params(self) -> int:
+        """num_params() less the experts a token skips: it goes through top_k of n_experts."""
+        cfg = self.config
+        idle = (cfg.n_experts - cfg.top_k) * 2 * cfg.n_embd * cfg.hidden if cfg.n_experts else 0
+        return self.num_params() - cfg.n_layer * idle
 
     def forward(
         self,

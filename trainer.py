@@ -84,8 +84,7 @@ class Trainer:
         )
 
     def _train_state(self, num_windows: int, plan: Plan) -> TrainState:
-        """The run's progress, its data share (its replica's: plan.replica) and each rank's dropout
-        stream (plan.dropout_streams: a tensor-parallel group's ranks share one)."""
+        """The run's progress, its replica's data share, each rank's dropout stream (plan.py)."""
         c, ctx = self.cfg, self.ctx
         share = replica(ctx.rank, ctx.world_size, plan)
         args = (num_windows, ctx, c.batch_size, c.grad_accum_steps, c.seed, self.control, share)
@@ -280,10 +279,11 @@ class Trainer:
             "grad_norm": round(self.strategy.grad_norm(), 4),
             "data_ms": round(1e3 * self.data_seconds / steps, 3),
         }
+        words = self.strategy.step_record(record)  # a mixture of experts' balance, or ""
         print0(
             f"step {step:>6}/{cfg.max_steps} | epoch {record['epoch']} | loss {train_loss:.4f} | "
             f"lr {record['lr']:.2e} | {record['tokens_per_sec'] / 1e3:.1f}k tok/s | "
-            f"{record['ms_per_step']:.1f} ms/step | ETA {format_duration(eta)}"
+            f"{record['ms_per_step']:.1f} ms/step | ETA {format_duration(eta)}{words}"
         )
         reached = evaluate and self._evaluate_and_report(record)
         self.metrics.write(record)

@@ -29,7 +29,8 @@ reduce_scatter and all_to_all), and bytes sent: S converted by ring_sent_bytes()
 group's size N and whether this rank is the root:
   all_reduce 2(N-1)/N S   all_gather (N-1) s   reduce_scatter (N-1)/N S   all_to_all (N-1)/N S
   broadcast S from the root; gather, reduce S from each non-root; scatter (N-1)/N S from the root;
-  send S; recv 0; barrier 0.
+  send S; recv 0; barrier 0. An all_to_all with uneven splits (expert parallelism's) sends its
+  input less the rows it keeps: S - S x split[own rank] / sum(splits).
 The ring is the bandwidth-optimal algorithm, not necessarily the backend's (NCCL picks rings or
 trees); broadcast, reduce and gather count as direct sends (a chain broadcast has every rank but
 the last send S, a binomial tree the root S log2 N). At N = 2 they all agree.
@@ -162,7 +163,12 @@ class CountBytes(TorchDispatchMode):
         count = self.ops.setdefault(key, OpCount(kind))
         count.calls += 1
         count.input_bytes += nbytes
-        count.sent_bytes += ring_sent_bytes(kind, nbytes, group.size(), is_root)
+        if kind == "all_to_all" and bound.get("input_split_sizes"):  # uneven: what leaves
+            splits = bound["input_split_sizes"]
+            own = splits[group.rank()] * nbytes // max(1, sum(splits))  # kept, never sent
+            count.sent_bytes += nbytes - own
+        else:
+            count.sent_bytes += ring_sent_bytes(kind, nbytes, group.size(), is_root)
         count.sizes.append(nbytes)
 
     def input_bytes(self, kind: str | None = None) -> int:

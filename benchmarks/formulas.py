@@ -24,7 +24,14 @@ Notation: b windows per replica per step, s tokens per window (T), h the width (
 - data parallel, as the ladder chose it (parallelize.data_parallel): DDP, one all-reduce of every
   gradient over dp x cp; FSDP over dp_shard x cp (comm_bytes.fsdp_formula, on each rank's TP
   shards); HSDP the same within a shard group, then each group's reduce-scattered shard
-  all-reduced over dp_replicate.
+  all-reduced over dp_replicate. The experts expert parallelism shared out are not in it.
+- expert parallel (expert_bytes), from the step's routing count matrix M (M[i][j]: rows rank i
+  routed to rank j's experts, in one MoE forward): rank i sends sum_{j != i} M[i][j] rows
+  (dispatch) and sum_{j != i} M[j][i] (combine) of width h, each twice (forward, and the
+  gradient of the other direction in backward); the counts (E int64) before each dispatch,
+  (ep - 1) / ep of them leaving; a forward that activation checkpointing recomputes in backward
+  sends its rows once more; the experts' gradients all-reduced over expert_dp; the tokens
+  per expert (MoE blocks x E fp32) all-reduced over dp x cp, for the routers' balance.
 """
 
 from __future__ import annotations
@@ -80,13 +87,16 @@ def data_parallel_bytes(strategy, times: int) -> float:
     the ladder wrapped them: DDP over dp x cp, FSDP over dp_shard x cp (gathers: times forwards
     per step, a pipeline's microbatches), HSDP: FSDP within, all-reduce across dp_replicate."""
     dims, how = strategy.dims, strategy.parts[0].data_parallel
+    experts = {id(p) for p in strategy.experts}  # they average themselves (expert_bytes)
     if how == "ddp":
-        params = {id(p): p for m in strategy.modules for p in m.parameters()}.values()
+        params = {id(p): p for m in strategy.modules for p in m.parameters()}
+        params = [p for i, p in params.items() if i not in experts]
         grads = sum(p.numel() * p.element_size() for p in params)
         return ring_sent_bytes("all_reduce", grads, dims.dp * dims.cp)
     if how not in ("fsdp", "hsdp"):
         return 0.0
-    shards, local = dims.dp_shard * dims.cp, _tp_shard(dims.tp)
+    shards, tp_piece = dims.dp_shard * dims.cp, _tp_shard(dims.tp)
+    local = lambda p: torch.empty(0, device="meta") if id(p) in experts else tp_piece(p)
     sent = 0.0
     for module in strategy.modules:
         sent += sum(fsdp_formula(module, shards, local=local, times=times))
@@ -116,8 +126,9 @@ def tensor_bytes(layout: dict, strategy, act: float, blocks: int, times: int) ->
     """Tensor (and sequence) parallelism's activations and partial gradients inside the blocks
     (per forward unit act), and sequence parallelism's ends and LayerNorm gradients."""
     tp = strategy.dims.tp
-    if not layout.get("sp"):
-        return 4 * blocks * times * ring_sent_bytes("all_reduce", act, tp)
+    if not layout.get("sp"):  # a MoE block's experts are not split: its attention's 2 only
+        dense = sum(hasattr(b.mlp, "fc") for m in strategy.modules for b in m.blocks.children())
+        return (2 * blocks + 2 * dense) * times * ring_sent_bytes("all_reduce", act, tp)
     # Per block, forward and backward: 4 all-gathers of a (b, s / tp, h) shard and 4
     # reduce-scatters of (b, s, h), where tensor parallelism alone all-reduces 4 times.
     sent = 4 * blocks * times * ring_sent_bytes("all_gather", act / tp, tp)
@@ -135,6 +146,32 @@ def context_bytes(strategy, act: float, blocks: int, times: int) -> float:
     return blocks * times * ((cp - 1) * kv + (cp - 1) * 2 * kv + kv)  # fwd; bwd + grads; home
 
 
+def routing_bytes(strategy, width: int) -> float:
+    """The rows expert parallelism exchanged in the last step's MoE forwards (each exchange's
+    `last`, module docstring): dispatch and combine, forward and backward, and the counts."""
+    sent = 0.0
+    for layer in strategy.moe if strategy.dims.ep > 1 else []:
+        me, log = layer.exchange.group.rank(), layer.exchange
+        for to, came, recomputed in zip(*log.last):
+            rows = sum(to) - to[me] + sum(came) - came[me]
+            sent += (1 if recomputed else 2) * rows * width * 4  # a recompute has no backward
+            sent += ring_sent_bytes("all_to_all", len(layer.expert_bias) * 8, len(to))
+    return sent
+
+
+def expert_bytes(strategy) -> float:
+    """Besides the rows (routing_bytes): the experts' gradients over expert_dp, and the tokens
+    per expert over dp x cp (mingpt_ddp/parallel/grid.py: reduce_gradients)."""
+    dims = strategy.dims
+    if not strategy.moe:
+        return 0.0
+    grads = sum(p.to_local().numel() * 4 for p in strategy.experts)
+    replicas = dims.dp * dims.cp // dims.ep
+    sent = ring_sent_bytes("all_reduce", grads, replicas) if replicas > 1 else 0.0
+    counts = len(strategy.moe) * len(strategy.moe[0].expert_bias) * 4
+    return sent + ring_sent_bytes("all_reduce", counts, dims.dp * dims.cp)
+
+
 def sent_bytes(layout: dict, strategy, size: dict) -> float:
     """What this rank should send in one step, for any point of the grid: the sum of each
     dimension's bytes on its own group (module docstring)."""
@@ -149,7 +186,7 @@ def sent_bytes(layout: dict, strategy, size: dict) -> float:
         sent += context_bytes(strategy, act, blocks, times)
     if strategy.sharded and dims.world_size > 1:  # the squared norm, summed over the grid
         sent += ring_sent_bytes("all_reduce", 4, dims.world_size)
-    return sent + data_parallel_bytes(strategy, times)
+    return sent + data_parallel_bytes(strategy, times) + expert_bytes(strategy)
 
 
 # The parameters tensor parallelism splits (the rest, embeddings, LayerNorms, the head and the
@@ -174,7 +211,12 @@ def param_bytes(layout: dict, strategy) -> float | None:
     whole = type(strategy.model)(strategy.model.config)
     shards = dims.dp_shard * dims.cp if how in ("fsdp", "hsdp") else 1
     split = lambda name: layout["tp"] if name.endswith(TP_SPLIT) else 1
-    return sum(p.numel() * 4 / split(n) / shards for n, p in whole.named_parameters())
+    experts = ("mlp.w1", "mlp.w2")  # expert parallelism's share: / ep, and no FSDP shards
+    return sum(
+        p.numel() * 4 / dims.ep if n.endswith(experts) and dims.ep > 1 else
+        p.numel() * 4 / split(n) / shards
+        for n, p in whole.named_parameters()
+    )  # fmt: skip
 
 
 def activation_bytes(layout: dict, one_process: float) -> float | None:
@@ -183,6 +225,6 @@ def activation_bytes(layout: dict, one_process: float) -> float | None:
     everywhere). None where no single ratio holds: tensor parallelism alone splits the
     attention and MLP insides but not the LayerNorms and the residual stream; a pipeline holds
     its stages' microbatches."""
-    if layout["pp"] > 1 or (layout["tp"] > 1 and not layout.get("sp")):
-        return None
+    if layout["pp"] > 1 or (layout["tp"] > 1 and not layout.get("sp")) or layout.get("ac"):
+        return None  # (activation checkpointing keeps a block's input only)
     return one_process / layout["dp"] / layout["cp"] / layout["tp"]

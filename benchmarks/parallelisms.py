@@ -49,7 +49,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.common import RANKS, hardware  # noqa: E402
-from benchmarks.formulas import activation_bytes, bubble, param_bytes, sent_bytes  # noqa: E402
+from benchmarks.formulas import (  # noqa: E402
+    param_bytes,
+    routing_bytes,
+    sent_bytes,
+)
+from benchmarks.layout_rows import DEGREES, label, row, table  # noqa: E402
 from benchmarks.probes import SavedBytes, StageClock  # noqa: E402
 
 VOCAB = 65
@@ -61,7 +66,6 @@ SIZES = {
     "full": dict(n_layer=4, n_head=4, n_embd=128, T=64, G=16, mb=4, steps=12),
 }
 WARMUP, COUNTED = 2, 2  # steps before the counted one; the counted step's index
-DEGREES = ("dp_replicate", "dp_shard", "tp", "cp", "pp")  # a row's degrees (mesh_config's keys)
 
 
 def layouts(size: dict) -> list[dict]:
@@ -82,6 +86,14 @@ def layouts(size: dict) -> list[dict]:
     rows.append(dict(dp=1, pp=2, cp=2, parallel="ddp", schedule="1f1b", m=4))
     rows.append(dict(dp=1, pp=2, tp=2, parallel="ddp", schedule="1f1b", m=4))
     rows.append(dict(dp=2, pp=2, tp=2, parallel="fsdp", schedule="1f1b", m=4))
+    # Expert parallelism (4 experts, top 2): alone, beside more data parallelism, FSDP, tensor
+    # parallelism, and in a pipeline.
+    moe = dict(ep=2, experts=4)
+    rows += [dict(dp=2, parallel="ddp", **moe), dict(dp=4, parallel="ddp", **moe)]
+    rows += [dict(dp=2, parallel="fsdp", **moe), dict(dp=2, tp=2, parallel="fsdp", **moe)]
+    rows.append(dict(dp=2, pp=2, parallel="ddp", schedule="1f1b", m=4, **moe))
+    rows.append(dict(dp=2, parallel="ddp", ac="full", **moe))  # the exchanges recomputed
+    rows.append(dict(dp=2, cp=2, parallel="ddp", aux=0.0, **moe))  # cp: the bias balances alone
     # The whole grid at once: 16 processes on however few cores, so few steps.
     rows.append(dict(dp=2, pp=2, cp=2, tp=2, parallel="ddp", schedule="1f1b", m=4, steps=4))
     for r in rows:
@@ -119,7 +131,11 @@ def build(layout: dict, size: dict, ctx):
 
     torch.manual_seed(0)
     shape = {k: size[k] for k in ("n_layer", "n_head", "n_embd")}
-    model = GPT(GPTConfig(**shape, vocab_size=VOCAB, block_size=size["T"]))
+    experts = layout.get("experts", 0)
+    # Experts balanced by both: the loss (the default) and the bias.
+    moe = dict(n_experts=experts, bias_update_rate=1e-3 if experts else 0.0)
+    moe["aux_loss_coef"] = layout.get("aux", 0.01)
+    model = GPT(GPTConfig(**shape, vocab_size=VOCAB, block_size=size["T"], **moe))
     pipeline = PipelineConfig(
         layout["pp"], layout.get("schedule", "1f1b"), layout.get("m", 4), layout.get("v", 2)
     )
@@ -127,10 +143,11 @@ def build(layout: dict, size: dict, ctx):
     plan = Plan(
         layout["parallel"],
         use_amp=False,
+        activation_checkpointing=layout.get("ac", "none"),
         pipeline=pipeline,
         tensor=TensorConfig(layout["tp"], layout.get("sp", False)),
         context=ContextConfig(layout["cp"]),
-        mesh=MeshConfig(**degrees),
+        mesh=MeshConfig(**degrees, ep=layout.get("ep", 1)),
     )
     optim = OptimizerConfig()
     batch = layout["G"] // layout["dp"]
@@ -160,6 +177,7 @@ def measure(layout: dict, size: dict) -> dict:
     clip = strategy.args.optim.grad_clip
     params = [p for opt in strategy.optimizers for g in opt.param_groups for p in g["params"]]
     losses, idle, sent, ops, saved = [], [], 0.0, {}, SavedBytes(params)
+    routing, received, routed = 0.0, 0, []
     pipeline = strategy.pipeline
     if pipeline is not None:  # the schedule's step alone: the optimizer's step is no bubble
         pipeline.schedule.step = StageClock.common_window(pipeline.schedule.step)
@@ -170,16 +188,20 @@ def measure(layout: dict, size: dict) -> dict:
             with CountBytes() as counter, saved.hooks():
                 loss, _ = train_step(strategy, iter(work), 1, clip)
             sent, ops = counter.sent_bytes(), {op: b for op, _, _, _, b in counter.rows()}
+            routing, received = routing_bytes(strategy, size["n_embd"]), strategy.received
         else:
             loss, _ = train_step(strategy, iter(work), 1, clip)
         if step > COUNTED and pipeline is not None:
             idle.append(1 - StageClock.busy / StageClock.wall)
         losses.append(None if loss is None else loss.item())
+        routed.append(routed_by_block(strategy))
     return {
         "losses": losses,
+        "routed": routed,  # per step: {MoE block: tokens per expert over the ranks}
         "sent": sent,
         "ops": ops,
-        "formula": sent_bytes(layout, strategy, size),
+        "formula": sent_bytes(layout, strategy, size) + routing,
+        "received": received,  # rows this rank's experts computed in the counted step
         "idle": statistics.median(idle) if idle else None,
         "params": local_bytes(params),
         "params_formula": param_bytes(layout, strategy),
@@ -207,7 +229,17 @@ def worker() -> None:
     exit_process(0)  # past gloo's exit-time destructors, which abort now and then
 
 
-def reference(size: dict, G: int) -> dict:
+def routed_by_block(strategy) -> dict:
+    """The step's tokens per expert of each MoE block this rank holds, by the block's name (a
+    pipeline stage's blocks keep the whole model's numbers), summed over the ranks."""
+    from mingpt_ddp.moe import MoE
+
+    names = [n for m in strategy.modules for n, b in m.named_modules() if isinstance(b, MoE)]
+    rows = strategy.routed.tolist() if strategy.routed is not None else []
+    return dict(zip(names, rows))
+
+
+def reference(size: dict, G: int, experts: int = 0, aux: float = 0.01) -> dict:
     """One process (parallel=none) over the same global batches: the losses to compare with, and
     the activations it saves for backward (what the formulas divide)."""
     from mingpt_ddp.runtime.distributed import DistContext
@@ -215,14 +247,16 @@ def reference(size: dict, G: int) -> dict:
 
     torch.set_num_threads(1)
     layout = dict(dp=1, dp_replicate=1, dp_shard=1, pp=1, tp=1, cp=1, parallel="none", G=G)
+    layout.update(experts=experts, aux=aux)
     _, strategy = build(layout, size, DistContext(0, 0, 1, torch.device("cpu")))
-    saved, losses = SavedBytes(strategy.model.parameters()), []
+    saved, losses, routed = SavedBytes(strategy.model.parameters()), [], []
     clip = strategy.args.optim.grad_clip
     for step in range(size["steps"]):
         work = iter(share(layout, step, size, 0))
         with saved.hooks() if step == COUNTED else nullcontext():
             losses.append(train_step(strategy, work, 1, clip)[0].item())
-    return {"losses": losses, "saved": saved.peak}
+            routed.append(routed_by_block(strategy))
+    return {"losses": losses, "saved": saved.peak, "routed": routed}
 
 
 def run_layout(layout: dict, size: dict) -> list[dict]:
@@ -246,81 +280,6 @@ def run_layout(layout: dict, size: dict) -> list[dict]:
         return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
-def row(layout: dict, ranks: list[dict], one: dict) -> dict:
-    """One table row: the layout, its loss difference, bytes, memory and bubble (rank means)."""
-    steps = zip(*[r["losses"] for r in ranks])  # per step: every rank's loss or None
-    losses = [statistics.fmean(v for v in per_step if v is not None) for per_step in steps]
-    idle = [r["idle"] for r in ranks if r["idle"] is not None]
-    mean = lambda key: statistics.fmean(r[key] for r in ranks)
-    pipeline = layout["pp"] > 1
-    return {
-        "layout": label(layout),
-        "degrees": {k: layout[k] for k in DEGREES},
-        "sequence_parallel": bool(layout.get("sp")),
-        "global_batch": layout["G"],
-        "steps": layout["steps"],
-        "parallel": layout["parallel"],
-        "schedule": layout.get("schedule") if pipeline else None,
-        "microbatches": layout.get("m") if pipeline else None,
-        "stages_per_rank": layout.get("v", 1) if pipeline else None,
-        "max_abs_loss_diff": max(abs(a - b) for a, b in zip(losses, one["losses"])),
-        "sent_bytes_per_step": mean("sent"),
-        "sent_bytes_formula": mean("formula"),
-        "sent_bytes_per_rank": [r["sent"] for r in ranks],
-        "sent_bytes_formula_per_rank": [r["formula"] for r in ranks],
-        "sent_bytes_by_op": [r["ops"] for r in ranks],  # per rank: {c10d op: bytes sent}
-        "bubble_measured": statistics.fmean(idle) if idle else None,
-        "bubble_per_rank": idle or None,
-        "bubble_formula": bubble(layout),
-        "param_bytes_per_rank": max(r["params"] for r in ranks),
-        "param_bytes_formula": ranks[0]["params_formula"],
-        "grad_bytes_per_rank": max(r["params"] for r in ranks),
-        "optimizer_bytes_per_rank": max(r["optimizer"] for r in ranks),
-        "activation_bytes_per_rank": max(r["saved"] for r in ranks),
-        "activation_bytes_formula": activation_bytes(layout, one["saved"]),
-    }
-
-
-def label(layout: dict) -> str:
-    """A layout in words: "dp2 ddp", "pp2 1f1b m=4", "dp2 ddp x pp2 gpipe m=4", "one process",
-    "hsdp 2x2" (dp_replicate x dp_shard)."""
-    parts = [f"dp{layout['dp']} {layout['parallel']}"] if layout["dp"] > 1 else []
-    if layout["dp_replicate"] > 1 and layout["dp_shard"] > 1:
-        parts = [f"hsdp {layout['dp_replicate']}x{layout['dp_shard']}"]
-    if layout["pp"] > 1:
-        v = f" v={layout['v']}" if layout["schedule"] == "interleaved1f1b" else ""
-        parts.append(f"pp{layout['pp']} {layout['schedule']} m={layout['m']}{v}")
-    if layout["tp"] > 1:
-        parts.append(f"tp{layout['tp']}{' sp' if layout.get('sp') else ''}")
-    if layout["cp"] > 1:
-        parts.append(f"cp{layout['cp']}")
-    return " x ".join(parts) or "one process"
-
-
-def table(rows: list[dict]) -> str:
-    """The markdown table (bytes per rank; bubbles as idle shares of the schedule's step; the
-    formulas in brackets)."""
-    head = (
-        "| layout | windows/step | max loss diff | sent B/step (counted) | formula | "
-        "bubble measured | formula | params KB/rank (formula) | params+grads+optim KB/rank | "
-        "activations KB/rank (formula) |\n|---|---|---|---|---|---|---|---|---|---|"
-    )
-    fmt = lambda x, f: "-" if x is None else format(x, f)
-    kb = lambda x: "-" if x is None else f"{x / 1e3:,.1f}"
-    lines = [head]
-    for r in rows:
-        state = r["param_bytes_per_rank"] + r["grad_bytes_per_rank"] + r["optimizer_bytes_per_rank"]
-        lines.append(
-            f"| {r['layout']} | {r['global_batch']} | {r['max_abs_loss_diff']:.1e} | "
-            f"{r['sent_bytes_per_step']:,.0f} | "
-            f"{r['sent_bytes_formula']:,.0f} | {fmt(r['bubble_measured'], '.3f')} | "
-            f"{fmt(r['bubble_formula'], '.3f')} | {kb(r['param_bytes_per_rank'])} "
-            f"({kb(r['param_bytes_formula'])}) | {state / 1e3:,.1f} | "
-            f"{kb(r['activation_bytes_per_rank'])} ({kb(r['activation_bytes_formula'])}) |"
-        )
-    return "\n".join(lines)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
@@ -338,9 +297,10 @@ def main() -> None:
     for layout in layouts(size):
         if chosen is not None and label(layout) not in chosen:
             continue
-        if layout["G"] not in expected:
-            expected[layout["G"]] = reference(size, layout["G"])
-        rows.append(row(layout, run_layout(layout, size), expected[layout["G"]]))
+        key = layout["G"], layout.get("experts", 0), layout.get("aux", 0.01)
+        if key not in expected:
+            expected[key] = reference(size, *key)
+        rows.append(row(layout, run_layout(layout, size), expected[key]))
         print(f"{rows[-1]['layout']}: done ({time.perf_counter() - t0:.0f} s)", flush=True)
     result = {
         "hardware": hardware(),

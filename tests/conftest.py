@@ -162,8 +162,8 @@ def ddp_reference(shakespeare, tmp_path_factory):
 
 def parallelisms(out_dir: Path, only: str) -> tuple[dict, Path]:
     """benchmarks/parallelisms.py --quick (6 steps) on the layouts named in `only` (a comma list):
-    its rows keyed by layout (exactly those, each with the grid's five degrees, within 1e-4 of one
-    process's losses, and every rank sending the bytes its formula predicts), and the path of
+    its rows keyed by layout (exactly those, each with the grid's five degrees and ep, within 1e-4
+    of one process's losses, and every rank sending the bytes its formula predicts), and the path of
     its JSON report (the markdown table beside it)."""
     out = out_dir / "parallelisms.json"
     script = str(REPO / "benchmarks" / "parallelisms.py")
@@ -178,7 +178,7 @@ def parallelisms(out_dir: Path, only: str) -> tuple[dict, Path]:
     rows = {r["layout"]: r for r in report["rows"]}
     assert sorted(rows) == sorted(only.split(",")) and report["hardware"]["device"]
     for r in rows.values():
-        assert set(r["degrees"]) == {"dp_replicate", "dp_shard", "tp", "cp", "pp"}, r
+        assert set(r["degrees"]) == {"dp_replicate", "dp_shard", "tp", "cp", "pp", "ep"}, r
         assert r["max_abs_loss_diff"] <= 1e-4, r
         assert r["sent_bytes_per_rank"] == r["sent_bytes_formula_per_rank"], r
     return rows, out

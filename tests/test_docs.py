@@ -42,6 +42,7 @@ TRANSLATED = [
     "horovod.md",
     "ddp-in-practice.md",
     "tutorials.md",
+    "experts.md",
 ]
 MARKERS = ("runnable", "syntax-only", "test-command", "slurm-command")
 BLOCK = re.compile(r"(?:<!-- ([\w-]+) -->\n)?```bash\n(.*?)```", re.S)
@@ -154,9 +155,10 @@ def without_agent(command: list[str]) -> list[str]:
 
 
 # The README is a path a learner reads in one sitting: what comes next (pipeline, tensor and
-# context parallelism, torchft, the bug zoo, Horovod) gets about 30 lines each here and its depth
-# in docs/, so the whole stays under this many lines in either language.
-README_LINES = 900
+# context parallelism, experts, torchft, the bug zoo, Horovod) gets about 30 lines each here and
+# its depth in docs/, so the whole stays under this many lines in either language (900 before
+# the experts' subsection).
+README_LINES = 920
 
 
 def test_the_readmes_stay_within_their_line_budget():

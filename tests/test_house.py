@@ -141,7 +141,17 @@ def strategy_modules() -> dict[str, str]:
 
 
 # The parallelisms: one small module each (an apply_... function), and what composes them.
-PARALLELISMS = ["tensor", "context", "ring", "fsdp", "ddp", "pipeline", "stages", "checkpointing"]
+PARALLELISMS = [
+    "tensor",
+    "context",
+    "ring",
+    "fsdp",
+    "ddp",
+    "pipeline",
+    "stages",
+    "checkpointing",
+    "expert",
+]
 
 
 def strings_in(path) -> set[str]:

@@ -41,12 +41,16 @@ class MeshConfig:
     context_config.degree."""
     pp: int = 1
     """Pipeline parallelism: stages in a row (ranks per pipeline); alias pipeline_config.degree."""
+    ep: int = 1
+    """Expert parallelism: ranks sharing out every MoE block's experts (gpt_config.n_experts). Not
+    a dimension of its own: its ranks are data-parallel ranks side by side, so it must divide
+    dp_shard where FSDP shards (never spanning HSDP's replica groups), else dp_replicate."""
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "dp_shard"):
             if getattr(self, name) == 0 or getattr(self, name) < -1:
                 raise ConfigError(f"mesh_config.{name} must be -1 (the rest) or 1 or more")
-        for name in ("tp", "cp", "pp"):
+        for name in ("tp", "cp", "pp", "ep"):
             if getattr(self, name) < 1:
                 raise ConfigError(
                     f"mesh_config.{name} must be 1 or more, got {getattr(self, name)}"

@@ -64,6 +64,29 @@ class GPTConfig:
     matrix."""
     logit_softcap: float = 0.0
     """Squash logits smoothly into (-cap, cap) with cap * tanh(logits / cap); 0: off."""
+    # Mixture of experts (mingpt_ddp/moe.py): each block's MLP becomes n_experts smaller MLPs and
+    # a router that sends every token to top_k of them. 0 experts: the dense MLP.
+    n_experts: int = 0
+    """Experts per block (0: the dense MLP). Expert parallelism splits them: mesh_config.ep."""
+    top_k: int = 2
+    """Experts each token is sent to (1: Switch Transformer; 2: Mixtral; 8 of 256: DeepSeek-V3)."""
+    expert_hidden: int = 0
+    """Each expert's hidden width; 0: 4 x n_embd / (top_k + shared_expert), so a token meets
+    as many MLP weights as the dense model's (the same active parameters per token)."""
+    shared_expert: bool = False
+    """One more expert that every token goes through, beside its routed ones (DeepSeek-V3)."""
+    router: str = "softmax"
+    """Router scores: softmax over the experts (Switch, Mixtral: the chosen scores weight the
+    outputs as they are) or sigmoid (DeepSeek-V3: the chosen scores normalised to sum to 1)."""
+    aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss (Switch's E x sum_e f_e P_e, per sequence as
+    DeepSeek-V3's); 0: off."""
+    bias_update_rate: float = 0.0
+    """DeepSeek-V3's loss-free balance: after each step every expert's routing bias moves by this
+    rate towards balance (down if it got more than its share of tokens); 0: off."""
+    capacity_factor: float = 0.0
+    """Tokens an expert takes per batch, as a multiple of its fair share (top_k x tokens /
+    n_experts); the rest are dropped (their MLP output is 0). 0: dropless, every token kept."""
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd"):
@@ -86,6 +109,7 @@ class GPTConfig:
             raise ConfigError(
                 f"gpt_config.logit_softcap must be >= 0 (0: off), got {self.logit_softcap}"
             )
+        check_experts(self)
         if self.rotary and (self.n_embd // self.n_head) % 2:
             raise ConfigError(
                 f"gpt_config.rotary=true needs an even head size; n_embd / n_head = "
@@ -107,4 +131,33 @@ class GPTConfig:
         "activation",
         "tie_embeddings",
         "logit_softcap",
+        "n_experts",
+        "expert_hidden",
+        "shared_expert",
     )
+
+    @property
+    def hidden(self) -> int:
+        """An expert's hidden width (expert_hidden, or the dense MLP's 4C shared out)."""
+        return self.expert_hidden or 4 * self.n_embd // (self.top_k + self.shared_expert)
+
+
+ROUTERS = ("softmax", "sigmoid")
+
+
+def check_experts(cfg: GPTConfig) -> None:
+    """Refuse mixture-of-experts settings that cannot route, naming the key."""
+    if cfg.n_experts < 0 or cfg.n_experts == 1:
+        raise ConfigError(
+            f"gpt_config.n_experts must be 0 (the dense MLP) or 2 or more, got {cfg.n_experts}"
+        )
+    if cfg.n_experts and not 1 <= cfg.top_k <= cfg.n_experts:
+        raise ConfigError(
+            f"gpt_config.top_k={cfg.top_k} must be between 1 and gpt_config.n_experts="
+            f"{cfg.n_experts}: each token goes to top_k different experts"
+        )
+    if cfg.router not in ROUTERS:
+        raise ConfigError(f"gpt_config.router must be softmax or sigmoid, got {cfg.router!r}")
+    for name in ("aux_loss_coef", "bias_update_rate", "capacity_factor", "expert_hidden"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"gpt_config.{name} must be >= 0, got {getattr(cfg, name)}")

@@ -18,10 +18,18 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
-def apply_ddp(model: nn.Module, group, plan, device: torch.device, local_rank: int) -> nn.Module:
+def apply_ddp(
+    model: nn.Module, group, plan, device: torch.device, local_rank: int, ignored=frozenset()
+) -> nn.Module:
     """model wrapped in DDP over group (its data-parallel ranks: dp x cp, a pipeline stage's
-    column); grad_reduce=via_rank0 swaps its ring all-reduce for the star through rank 0."""
+    column); grad_reduce=via_rank0 swaps its ring all-reduce for the star through rank 0.
+    ignored: parameters DDP leaves out (the experts expert parallelism shared out, expert.py)."""
     ids = [local_rank] if device.type == "cuda" else None
+    names = [name for name, p in model.named_parameters() if p in ignored]
+    # The model's only buffers are MoE routing biases, which every rank moves alike
+    # (expert.rebalance): DDP's broadcast of them before each forward would only cost a message.
+    names += [name for name, _ in model.named_buffers()]
+    DDP._set_params_and_buffers_to_ignore_for_model(model, names)
     ddp = DDP(model, device_ids=ids, process_group=group)
     if plan.grad_reduce == "via_rank0":
         ddp.register_comm_hook(None, reduce_through_rank0)

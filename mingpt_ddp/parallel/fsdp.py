@@ -28,7 +28,7 @@ from torch.distributed.fsdp import (
 from mingpt_ddp.parallel.plan import AMP_DTYPES
 
 
-def shard(module: nn.Module, mesh, plan, root: bool = False) -> None:
+def shard(module: nn.Module, mesh, plan, root: bool = False, ignored=frozenset()) -> None:
     """fully_shard one module over mesh, with the plan's precision, offload and resharding. The
     root (embeddings, final norm, head) keeps its gathered parameters after forward: the head is
     the first thing backward needs, so freeing them would only gather them again at once (torch's
@@ -46,14 +46,16 @@ def shard(module: nn.Module, mesh, plan, root: bool = False) -> None:
         mp_policy=mp,
         offload_policy=CPUOffloadPolicy() if plan.cpu_offload else OffloadPolicy(),
         reshard_after_forward=plan.reshard_after_forward and not root,
+        ignored_params=set(ignored) & set(module.parameters()) or None,
     )
 
 
-def apply_fsdp(model: nn.Module, mesh, plan) -> nn.Module:
+def apply_fsdp(model: nn.Module, mesh, plan, ignored=frozenset()) -> nn.Module:
     """Shard in place over mesh (1-D: FSDP; 2-D (replicate, shard): HSDP), block by block, then
     the root (embeddings, final norm, head: what remains): each block's parameters are gathered
-    just before it runs and freed after."""
+    just before it runs and freed after. ignored: parameters left as they are (the experts that
+    expert parallelism shared out, expert.py)."""
     for block in model.blocks.children():
-        shard(block, mesh, plan)
-    shard(model, mesh, plan, root=True)
+        shard(block, mesh, plan, ignored=ignored)
+    shard(model, mesh, plan, root=True, ignored=ignored)
     return model

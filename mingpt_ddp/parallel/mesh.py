@@ -14,6 +14,9 @@ every layer), and pp the slowest (a pipeline hands on activations once per stage
 differ only in dp_replicate and dp_shard read different windows; every other dimension's ranks
 read the same windows (one replica of the model, spread over them).
 
+Expert parallelism (mesh_config.ep) adds no dimension: its groups are data-parallel ranks side by
+side, a second mesh over the same ranks (expert.py's expert_mesh).
+
 Three views of the same ranks are flattened dimensions of the one mesh (DeviceMesh._flatten,
 private in torch 2.13, as torchtitan uses it):
     dp           dp_replicate x dp_shard: who reads which data, and who averages the loss
@@ -33,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from mingpt_ddp.config.mesh import data_degrees
 from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.parallel.expert import expert_mesh
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 FLATTENED = {
@@ -51,6 +55,8 @@ class ParallelDims:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1
+    """Expert parallelism: not a dimension of the grid, dp's ranks in groups of ep (expert.py)."""
 
     @classmethod
     def of(cls, world_size: int, degrees: dict[str, int], mesh_cfg, parallel: str) -> ParallelDims:
@@ -65,7 +71,15 @@ class ParallelDims:
                 f"{world_size}; launch a multiple of {split} processes or change the degrees"
             )
         replicate, shard = data_degrees(mesh_cfg, world_size // split, parallel)
-        return cls(degrees["pp"], replicate, shard, degrees["cp"], degrees["tp"])
+        # Expert groups are data-parallel ranks side by side: within a shard group where FSDP
+        # shards (HSDP's replica groups may sit on slower links), else among the replicas.
+        within, name = (shard, "dp_shard") if shard > 1 else (replicate, "dp_replicate")
+        if within % mesh_cfg.ep:
+            raise ConfigError(
+                f"mesh_config.ep={mesh_cfg.ep} must divide mesh_config.{name}={within}: its "
+                "groups are data-parallel ranks side by side"
+            )
+        return cls(degrees["pp"], replicate, shard, degrees["cp"], degrees["tp"], mesh_cfg.ep)
 
     @property
     def dp(self) -> int:
@@ -91,7 +105,11 @@ class ParallelDims:
         """The one DeviceMesh of the run, with its flattened views. Collective: every rank builds
         the same mesh (each dimension's process groups are created once, here)."""
         mesh = init_device_mesh(device.type, tuple(self.shape().values()), mesh_dim_names=DIMS)
-        return Grid(mesh, {name: mesh[dims]._flatten(name) for name, dims in FLATTENED.items()})
+        views = {name: mesh[dims]._flatten(name) for name, dims in FLATTENED.items()}
+        if self.ep > 1:  # a second view of the same ranks, for the experts (expert.py)
+            experts = expert_mesh(self, device.type)
+            views.update(ep=experts["ep"], expert_dp=experts["expert_dp"], experts=experts)
+        return Grid(mesh, views)
 
 
 class Grid:

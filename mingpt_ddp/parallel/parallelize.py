@@ -3,13 +3,15 @@ of the one mesh (mesh.py). The whole model goes through it once; a pipeline cuts
 stages first and sends each stage through it (pipeline.py).
 
     1. tensor parallelism   split every block's matrices over "tp"      (tensor.py)
-    2. context parallelism  attention through the ring over "cp"        (context.py)
-    3. activation ckpt      recompute chosen blocks in backward         (checkpointing.py)
-    4. compile              inductor kernels (per block where sharded)
-    5. data parallelism     FSDP / HSDP over (dp_replicate, dp_shard_cp) (fsdp.py), or
-                            DDP over "dp_cp" when every parameter is plain (ddp.py)
+    2. expert parallelism   share out every MoE block's experts over "ep" (expert.py)
+    3. context parallelism  attention through the ring over "cp"        (context.py)
+    4. activation ckpt      recompute chosen blocks in backward         (checkpointing.py)
+    5. compile              inductor kernels (per block where sharded)
+    6. data parallelism     FSDP / HSDP over (dp_replicate, dp_shard_cp) (fsdp.py), or
+                            DDP over "dp_cp" when every parameter is plain (ddp.py); both
+                            leave out the experts that ep shared out (they average their own)
 
-Why this order (torchtitan's): TP and CP change what the blocks compute, so they come first;
+Why this order (torchtitan's): TP, EP and CP change what the blocks compute, so they come first;
 checkpointing wraps the block's forward as it now is; compile traces that (a checkpointed block is
 a region it recomputes); FSDP's hooks and DDP's reducer go outside everything, so a block's
 parameters are gathered before its (recomputed) forward and gradients reduced once they exist.
@@ -27,6 +29,7 @@ import torch.nn as nn
 from mingpt_ddp.parallel.checkpointing import apply_activation_checkpointing
 from mingpt_ddp.parallel.context import apply_cp
 from mingpt_ddp.parallel.ddp import apply_ddp
+from mingpt_ddp.parallel.expert import apply_ep, expert_params
 from mingpt_ddp.parallel.fsdp import apply_fsdp
 from mingpt_ddp.parallel.mesh import ParallelDims
 from mingpt_ddp.parallel.ring import RingAttention
@@ -62,6 +65,8 @@ def parallelize(model: nn.Module, mesh, dims: ParallelDims, plan, ctx, whole: bo
     """model through the ladder in place (whole: the whole model, not a pipeline stage)."""
     if dims.tp > 1:
         apply_tp(model, mesh["tp"], plan.tensor.sequence_parallel)
+    if dims.ep > 1:
+        apply_ep(model, mesh["ep"])
     ring = apply_cp(model, mesh["cp"]) if dims.cp > 1 else None
     checkpointed = apply_activation_checkpointing(model, plan.activation_checkpointing)
     how = data_parallel(dims, plan.parallel, ctx.distributed)
@@ -71,11 +76,12 @@ def parallelize(model: nn.Module, mesh, dims: ParallelDims, plan, ctx, whole: bo
         # gpt-micro); block by block under FSDP (each block a unit it gathers) and in a stage.
         for part in [model] if whole and how in ("", "ddp") else list(model.blocks.children()):
             part.compile()  # in place: parameter names keep no "_orig_mod." prefix
-    module = model
+    module, experts = model, set(expert_params([model]))
     if how == "fsdp":
-        apply_fsdp(model, mesh["dp_shard_cp"], plan)
+        apply_fsdp(model, mesh["dp_shard_cp"], plan, experts)
     elif how == "hsdp":
-        apply_fsdp(model, mesh["dp_replicate", "dp_shard_cp"], plan)
+        apply_fsdp(model, mesh["dp_replicate", "dp_shard_cp"], plan, experts)
     elif how == "ddp":
-        module = apply_ddp(model, mesh["dp_cp"].get_group(), plan, ctx.device, ctx.local_rank)
+        group = mesh["dp_cp"].get_group()
+        module = apply_ddp(model, group, plan, ctx.device, ctx.local_rank, experts)
     return Parallelized(module, ring, checkpointed, how)

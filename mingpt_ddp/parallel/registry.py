@@ -44,4 +44,10 @@ def strategy_name(parallel: str, torchft_groups: int) -> str:
 
 def build_strategy(parallel: str, model: nn.Module, args):
     """The layout named by trainer_config.parallel, built around model (a strategy.Strategy)."""
-    return _load(STRATEGIES[strategy_name(parallel, args.plan.torchft.groups)])(model, args)
+    name = strategy_name(parallel, args.plan.torchft.groups)
+    if model.config.n_experts and name != "grid":
+        raise ConfigError(
+            f"gpt_config.n_experts={model.config.n_experts} trains on the grid's layouts "
+            f"(parallel=none, ddp or fsdp), not {name}: change one of them"
+        )
+    return _load(STRATEGIES[name])(model, args)

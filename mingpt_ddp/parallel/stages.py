@@ -32,6 +32,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.moe import moe_layers
 
 
 def block_ranges(n_layer: int, stages: int) -> list[range]:
@@ -103,7 +104,8 @@ class Stage(PipelineStage):
     forward fails DDP's check ("rebuilt parameter indices size is not same as original model
     parameters size ... 26 versus 52"). Run under no_sync, the inference arms nothing. The ring
     is off for it too: the local kernel gives the same shapes without sending uninitialised
-    tensors around the ring (or counting them in its bytes).
+    tensors around the ring (or counting them in its bytes). MoE blocks route no token for it:
+    its tensors are uninitialised memory, not tokens to count or send to experts.
     Older torch (2.11 on an H200, docs/measured.md) has no such method: its _shape_inference runs
     the forward under no_grad, which arms nothing, and the pipeline tests passed there."""
 
@@ -116,12 +118,17 @@ class Stage(PipelineStage):
         active = self.ring is not None and self.ring.active
         if active:
             self.ring.active = False
+        experts = moe_layers([self.submod])
+        for layer in experts:
+            layer.routing = False
         try:
             with quiet:
                 return super()._forward_metadata_inference(*args, **kwargs)
         finally:
             if active:
                 self.ring.active = True
+            for layer in experts:
+                layer.routing = True
 
 
 def check_microbatches(windows: int, microbatches: int) -> None:

@@ -141,6 +141,11 @@ class Strategy:
     def reduce_gradients(self) -> bool:
         return True
 
+    def step_record(self, record: dict) -> str:
+        """Collective, on log steps: what the layout adds to the step's metrics record, and the
+        words it adds to its line (a mixture of experts' balance)."""
+        return ""
+
     def clip(self, max_norm: float) -> torch.Tensor:
         raise NotImplementedError
 

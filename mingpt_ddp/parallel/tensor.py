@@ -97,7 +97,11 @@ def apply_tp(model: nn.Module, mesh, sequence_parallel: bool) -> None:
             qkv.weight.copy_(qkv.weight[order])
             if qkv.bias is not None:
                 qkv.bias.copy_(qkv.bias[order])
-        parallelize_module(block, mesh, block_plan(sequence_parallel))
+        plan = block_plan(sequence_parallel)
+        if not hasattr(block.mlp, "fc"):  # a mixture of experts: its experts stay whole, and
+            # every tp rank routes the same tokens through them (expert.py splits experts instead)
+            plan = {key: style for key, style in plan.items() if not key.startswith("mlp")}
+        parallelize_module(block, mesh, plan)
     if sequence_parallel and model.wte is not None:  # a pipeline refuses sequence parallelism
         cut = dict(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),))
         parallelize_module(
