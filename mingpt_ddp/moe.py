@@ -146,9 +146,10 @@ class MoE(nn.Module):
         # step's time on a CPU); unbind's backward stacks the experts' gradients once.
         w1, w2 = local(self.w1).unbind(0), local(self.w2).unbind(0)  # (C, H), (H, C) each
         # Each group padded with zero rows to a multiple of PAD_ROWS: routing makes new row
-        # counts every step, and a new matmul shape each time cost a CPU run (gpt-micro, 8
-        # experts, bf16 autocast, 2 EPYC cores) 70 ms a step and 828 MiB; padded, 57 ms, 423 MiB.
-        # Zero rows change no real row's output, and add nothing to the weights' gradients.
+        # counts every step, hence new matmul shapes, and the CPU's memory grew with them
+        # (docs/experts.md: before this and the unbind above, benchmarks/experts.py's run took
+        # 1,174 MiB at 6.4k tokens/s; now 430 MiB at 9.0k). Zero rows change no real row's
+        # output, and add nothing to the weights' gradients.
         counts = counts.tolist()
         padded = [n + -n % PAD_ROWS for n in counts]
         starts = [sum(padded[:e]) for e in range(len(padded))]

@@ -222,7 +222,7 @@ def test_parallelisms_tp_sp_cp_match_one_process_and_send_what_the_formulas_say(
     for r in rows.values():
         assert r["sent_bytes_per_step"] == r["sent_bytes_formula"] > 0, r  # counted = predicted
     tp, sp, cp = rows["tp2"], rows["tp2 sp"], rows["cp2"]
-    assert tp["degrees"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 2, "cp": 1, "pp": 1}
+    assert tp["degrees"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 2, "cp": 1, "pp": 1, "ep": 1}
     assert sp["sequence_parallel"] and rows["tp2 x cp2"]["degrees"]["cp"] == 2
     # TP's 4 all-reduces per block become all-gathers + reduce-scatters of the same bytes
     assert set(tp["sent_bytes_by_op"][0]) >= {"_c10d_functional::all_reduce"}
