@@ -277,49 +277,6 @@ class Unavailable(RuntimeError):
     """A system a helper needs is not installed here (tests skip on it, saying which)."""
 
 
-class MotoServer:
-    """A real S3-compatible server (moto_server) on a free loopback port; url is its endpoint."""
-
-    def __init__(self, require_auth: bool = False):
-        import shutil
-
-        if shutil.which("moto_server") is None:
-            raise Unavailable("moto_server not installed (pip install 'moto[server]')")
-        self.port = free_port()
-        env = {**os.environ, **({"INITIAL_NO_AUTH_ACTION_COUNT": "0"} if require_auth else {})}
-        self.proc = subprocess.Popen(
-            ["moto_server", "-H", "127.0.0.1", "-p", str(self.port)],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # ready when it accepts connections
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError("moto_server did not start")
-
-    def client(self, endpoint: str | None = None):
-        import boto3
-
-        return boto3.client(
-            "s3",
-            endpoint_url=endpoint or self.url,
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-            region_name="us-east-1",
-        )
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait(timeout=10)
-
-
 def hardware() -> dict:
     """The device this process computes on, in words: the GPU's name, or the CPU's model with the
     instruction sets that decide its speed here (AVX-512, native bf16: AVX-512 BF16 and AMX). Like

@@ -22,12 +22,13 @@ import sys
 import tempfile
 import time
 
-from common import REPO, MotoServer
+from common import REPO
 
 sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
 
+from benchmarks.s3_local import MotoServer  # noqa: E402
 from char_dataset import CharDataset, DataConfig  # noqa: E402
 from mingpt_ddp.config.optimizer import OptimizerConfig  # noqa: E402
 from mingpt_ddp.config.trainer import TrainerConfig  # noqa: E402

@@ -53,7 +53,6 @@ from benchmarks.common import (  # noqa: E402 - needs REPO on sys.path first
     RANKS,
     TINY,
     TINY_MODEL,
-    MotoServer,
     Unavailable,
     descendants,
     free_port,
@@ -73,6 +72,7 @@ from benchmarks.common import (  # noqa: E402 - needs REPO on sys.path first
     wait_for_line,
     worker_pid,
 )
+from benchmarks.s3_local import MotoServer  # noqa: E402
 
 __all__ = [
     "MAIN",

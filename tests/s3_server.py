@@ -1,6 +1,6 @@
 """Test helpers for S3: proxies in front of the real moto_server that cut or throttle the line.
 
-moto_server is an S3-compatible HTTP server (benchmarks/common.py's MotoServer starts it; the
+moto_server is an S3-compatible HTTP server (benchmarks/s3_local.py's MotoServer starts it; the
 conftest's s3 fixture shares one per session); the code under test talks to it with boto3 over
 real sockets, exactly as it would to AWS or MinIO. The proxies sit between them so a test can make
 the network fail in the middle of an upload, or the endpoint answer 503 for a while.
@@ -11,7 +11,8 @@ from __future__ import annotations
 import socket
 import threading
 
-from benchmarks.common import MotoServer, free_port  # noqa: F401 - MotoServer: tests import it from here
+from benchmarks.common import free_port
+from benchmarks.s3_local import MotoServer  # noqa: F401 - tests import it from here
 
 CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "testing",

@@ -43,6 +43,7 @@ TRANSLATED = [
     "ddp-in-practice.md",
     "tutorials.md",
     "experts.md",
+    "build-it-yourself.md",
 ]
 MARKERS = ("runnable", "syntax-only", "test-command", "slurm-command")
 BLOCK = re.compile(r"(?:<!-- ([\w-]+) -->\n)?```bash\n(.*?)```", re.S)
