@@ -38,7 +38,10 @@ def row(layout: dict, ranks: list[dict], one: dict) -> dict:
         "sent_bytes_by_op": [r["ops"] for r in ranks],  # per rank: {c10d op: bytes sent}
         "bubble_measured": statistics.fmean(idle) if idle else None,
         "bubble_per_rank": idle or None,
-        "bubble_formula": bubble(layout),
+        "bubble_formula": bubble(layout)
+        if bubble(layout) is not None
+        else ranks[0]["table_bubble"],
+        "bubble_from_table": ranks[0]["table_bubble"],  # the action table at unit cost
         "param_bytes_per_rank": max(r["params"] for r in ranks),
         "param_bytes_formula": ranks[0]["params_formula"],
         "grad_bytes_per_rank": max(r["params"] for r in ranks),
@@ -71,7 +74,7 @@ def label(layout: dict) -> str:
     if layout["dp_replicate"] > 1 and layout["dp_shard"] > 1:
         parts = [f"hsdp {layout['dp_replicate']}x{layout['dp_shard']}"]
     if layout["pp"] > 1:
-        v = f" v={layout['v']}" if layout["schedule"] == "interleaved1f1b" else ""
+        v = f" v={layout['v']}" if layout["schedule"].startswith("interleaved") else ""
         parts.append(f"pp{layout['pp']} {layout['schedule']} m={layout['m']}{v}")
     if layout["tp"] > 1:
         parts.append(f"tp{layout['tp']}{' sp' if layout.get('sp') else ''}")

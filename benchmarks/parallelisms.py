@@ -53,6 +53,7 @@ from benchmarks.formulas import (  # noqa: E402
     param_bytes,
     routing_bytes,
     sent_bytes,
+    table_bubble,
 )
 from benchmarks.layout_rows import DEGREES, label, row, table  # noqa: E402
 from benchmarks.probes import SavedBytes, StageClock  # noqa: E402
@@ -77,6 +78,10 @@ def layouts(size: dict) -> list[dict]:
     rows += [dict(dp=1, pp=2, parallel="ddp", schedule="gpipe", m=m) for m in (1, 2, 4, 8)]
     rows += [dict(dp=1, pp=2, parallel="ddp", schedule="1f1b", m=m) for m in (2, 4, 8)]
     rows.append(dict(dp=1, pp=2, parallel="ddp", schedule="interleaved1f1b", m=4, v=2))
+    # Zero bubble (one pipeline: torch 2.13's split backward reduces no replicas' gradients).
+    for schedule in ("interleavedzb", "zbv", "dualpipev"):
+        v = dict(v=2) if schedule == "interleavedzb" else {}
+        rows.append(dict(dp=1, pp=2, parallel="ddp", schedule=schedule, m=4, **v))
     rows.append(dict(dp=2, pp=2, parallel="ddp", schedule="gpipe", m=4))
     rows.append(dict(dp=2, pp=2, parallel="ddp", schedule="1f1b", m=4))
     rows += [dict(dp=1, tp=2, parallel="ddp"), dict(dp=1, tp=2, sp=True, parallel="ddp")]
@@ -201,6 +206,10 @@ def measure(layout: dict, size: dict) -> dict:
         "sent": sent,
         "ops": ops,
         "formula": sent_bytes(layout, strategy, size) + routing,
+        # the schedule's own action table at unit cost (formulas.table_bubble)
+        "table_bubble": table_bubble(pipeline.schedule.pipeline_order)
+        if pipeline is not None and len(pipeline.stages) > 1  # a multi-stage schedule's table
+        else None,
         "received": received,  # rows this rank's experts computed in the counted step
         "idle": statistics.median(idle) if idle else None,
         "params": local_bytes(params),

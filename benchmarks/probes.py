@@ -37,7 +37,8 @@ class SavedBytes:
 
 
 class StageClock:
-    """Time spent computing inside the pipeline's stages (forward and backward chunks, the loss),
+    """Time spent computing inside the pipeline's stages (forward and backward chunks, the
+    weight-gradient chunks of the zero-bubble schedules, the loss),
     summed over a step: what the rank was busy with; the rest of the step it waited.
 
     The step is timed on a common clock (common_window): every rank's window opens as all leave
@@ -56,6 +57,7 @@ class StageClock:
         targets = [
             (stage._PipelineStageBase, "forward_one_chunk"),
             (stage._PipelineStageBase, "backward_one_chunk"),
+            (stage._PipelineStageBase, "backward_weight_one_chunk"),  # zero bubble's W
             (schedules._PipelineSchedule, "_compute_loss"),
         ]
         for owner, name in targets:

@@ -20,8 +20,9 @@ from mingpt_ddp.config.pipeline import PipelineConfig
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.metrics import MetricsLog
 from mingpt_ddp.parallel.grid import GridStrategy
+from mingpt_ddp.parallel.pipeline import check_schedule
 from mingpt_ddp.parallel.plan import Plan, replica
-from mingpt_ddp.parallel.stages import block_ranges, cut, stage_ids
+from mingpt_ddp.parallel.stages import block_ranges, cut, placement, stage_ids
 from mingpt_ddp.parallel.strategy import StrategyArgs
 from mingpt_ddp.runtime.distributed import DistContext
 
@@ -59,6 +60,7 @@ def one_process(shakespeare, tmp_path_factory):
         (2, "ddp", "gpipe"),
         (4, "ddp", "gpipe"),  # 2 stages x 2 replicas (GPipe once broke DDP: stages.Stage)
         (4, "fsdp", "1f1b"),
+        (2, "ddp", "zbv"),  # zero bubble: 4 stages in a V on 2 ranks, the tied pair on rank 0
     ],
 )
 def test_a_pipeline_trains_what_one_process_trains(
@@ -74,8 +76,13 @@ def test_a_pipeline_trains_what_one_process_trains(
         trace_samples_path=tmp_path / "trace",
     )
     out = ok(run_main(args + FOUR_BLOCKS + pipeline(schedule=schedule), nproc=nproc))
-    assert f"pipeline 2 stages ({schedule}, 4 microbatches) x {nproc // 2} repl" in out
+    stages = 4 if schedule == "zbv" else 2
+    assert f"pipeline {stages} stages ({schedule}, 4 microbatches) x {nproc // 2} repl" in out
     assert_same_run(history(one_process), history(tmp_path), 8)
+    if schedule == "zbv":  # the V's snapshot (head and embedding on one rank) in one process
+        more = dict(STEPS, max_steps=10, batch_size=8)
+        out = ok(run_main(tiny_overrides(shakespeare, tmp_path, **more) + FOUR_BLOCKS))
+        assert "resume | step 8 |" in out and "done | step 10 |" in out
     # Both stages of a replica read its windows; the replicas read different ones.
     reads = [(tmp_path / "trace" / f"rank{r}.jsonl").read_text() for r in range(nproc)]
     replicas = nproc // 2
@@ -111,6 +118,22 @@ def test_a_sigkilled_stage_restarts_and_the_pipeline_resumes_exactly_then_reshar
 # ------------------------------------------------------------- in process
 
 
+@pytest.mark.parametrize(
+    "plan, world, refused",
+    [
+        (dict(parallel="fsdp"), 4, "splits backward past DDP's and FSDP's gradient reduction"),
+        (dict(parallel="ddp"), 4, "replicas would not average"),
+        (dict(parallel="ddp", compile=True), 2, "set trainer_config.compile=false"),
+    ],
+)
+def test_zero_bubble_schedules_refuse_replicas_and_compile_naming_the_fix(plan, world, refused):
+    pipeline = PipelineConfig(degree=2, schedule="zbv")
+    made = Plan(pipeline=pipeline, **plan)
+    with pytest.raises(ConfigError, match=refused):
+        check_schedule(made, made.dims(world))
+    check_schedule(Plan(pipeline=pipeline), Plan(pipeline=pipeline).dims(2))  # one pipeline: runs
+
+
 def test_the_settings_a_pipeline_cannot_run_are_refused_naming_the_fix():
     with pytest.raises(ConfigError, match="at least as many microbatches as stages"):
         PipelineConfig(degree=4, schedule="1f1b", microbatches=2)
@@ -119,8 +142,11 @@ def test_the_settings_a_pipeline_cannot_run_are_refused_naming_the_fix():
         PipelineConfig(degree=2, schedule="interleaved1f1b", microbatches=5)
     PipelineConfig(degree=2, schedule="interleaved1f1b", microbatches=3)  # one round (torch's rule)
     PipelineConfig(degree=4, schedule="interleaved1f1b", microbatches=10)  # 2 rounds of 5
-    with pytest.raises(ConfigError, match="schedule must be gpipe, 1f1b, interleaved1f1b"):
+    with pytest.raises(ConfigError, match="schedule must be gpipe, 1f1b, interleaved1f1b, inter"):
         PipelineConfig(schedule="zb")
+    with pytest.raises(ConfigError, match="dualpipev needs at least 2 x degree = 4 microbatches"):
+        PipelineConfig(degree=2, schedule="dualpipev", microbatches=3)
+    assert PipelineConfig(degree=2, schedule="zbv").stages == 4  # a V: 2 stages a rank
     with pytest.raises(ConfigError, match="must divide the world size 3"):
         Plan(pipeline=PipelineConfig(degree=2)).dims(3)
     with pytest.raises(ConfigError, match="needs at least 5 blocks, the model has 4"):
@@ -180,7 +206,10 @@ def test_stages_hold_the_whole_models_parameters_under_its_names():
     for stage in stages:
         h = stage(h)
     assert torch.allclose(h, model(x)[0])  # the stages in a row compute the whole model
-    assert stage_ids(1, 2, 4) == [1, 3] and stage_ids(0, 2, 2) == [0]
+    assert stage_ids(1, placement(2, 4, False)) == [1, 3]
+    assert stage_ids(0, placement(2, 2, False)) == [0]
+    assert stage_ids(0, placement(2, 4, True)) == [0, 3]  # a V: the first and the last stage
+    assert stage_ids(1, placement(2, 4, True)) == [1, 2]
 
 
 def test_the_replica_not_the_rank_decides_the_data_share():
@@ -198,9 +227,21 @@ def test_the_replica_not_the_rank_decides_the_data_share():
 
 @pytest.mark.slow
 def test_parallelisms_counts_the_bytes_the_formulas_predict_and_matches_one_process(tmp_path):
-    rows, out = parallelisms(tmp_path, "pp2 gpipe m=4,pp2 1f1b m=4,pp2 1f1b m=4 x cp2")
+    rows, out = parallelisms(
+        tmp_path,
+        "pp2 gpipe m=4,pp2 1f1b m=4,pp2 1f1b m=4 x cp2,pp2 gpipe m=1,"
+        "pp2 zbv m=4,pp2 dualpipev m=4,pp2 interleavedzb m=4 v=2",
+    )
     for r in rows.values():
         assert r["sent_bytes_per_step"] == r["sent_bytes_formula"] > 0, r  # counted = predicted
+    # On a common clock one chain of work (m = 1) leaves each rank idle while the other works:
+    # the two idle shares sum to at least 1 (timed per rank, they once summed to 0.83).
+    assert sum(rows["pp2 gpipe m=1"]["bubble_per_rank"]) >= 1
+    # zero bubble: no textbook formula; the schedule's own action table at unit cost gives one
+    for name, formula in (("zbv", 0.04), ("dualpipev", 1 / 13), ("interleavedzb", 0.04)):
+        row = next(r for label, r in rows.items() if f" {name} " in label)
+        assert row["bubble_formula"] == pytest.approx(formula) == row["bubble_from_table"]
+        assert 0 < row["bubble_measured"] < 1
     gpipe, one_f_one_b = rows["pp2 gpipe m=4"], rows["pp2 1f1b m=4"]
     assert gpipe["bubble_formula"] == one_f_one_b["bubble_formula"] == 1 / 5
     assert 0 < gpipe["bubble_measured"] < 1 and len(gpipe["bubble_per_rank"]) == 2

@@ -7,7 +7,11 @@ from dataclasses import dataclass
 
 from mingpt_ddp.errors import ConfigError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "interleavedzb", "zbv", "dualpipev")
+LOOPED = ("interleaved1f1b", "interleavedzb")  # stages_per_rank stages a rank: r, r + degree, ...
+V_SHAPED = ("zbv", "dualpipev")  # 2 stages a rank in a V: rank r holds r and 2 degree - 1 - r
+# Backward split in two (the input's gradient first, the weights' later, to fill the bubble).
+ZERO_BUBBLE = ("interleavedzb", "zbv", "dualpipev")
 
 
 @dataclass
@@ -22,12 +26,17 @@ class PipelineConfig:
     schedule: str = "1f1b"
     """gpipe (all forwards, then all backwards), 1f1b (one forward, one backward once the pipe is
     full: at most `degree` microbatches' activations held), interleaved1f1b (several stages per
-    rank, a smaller bubble)."""
+    rank, a smaller bubble); zero bubble, each backward split into the input's gradient and the
+    weights' (done later, in what would be the bubble): interleavedzb (placed as
+    interleaved1f1b), zbv and dualpipev (2 stages a rank in a V; dualpipev needs at least
+    2 x degree microbatches). Zero-bubble schedules run one pipeline, no data-parallel replicas
+    (pipeline.check_schedule says why)."""
     microbatches: int = 4
     """Pieces each step's batch (batch_size x grad_accum_steps windows per pipeline) is cut into;
     more shrink the bubble, (degree - 1) / (microbatches + degree - 1) for gpipe and 1f1b."""
     stages_per_rank: int = 2
-    """interleaved1f1b only: stages each rank holds (rank r holds stages r, r + degree, ...)."""
+    """interleaved1f1b and interleavedzb only: stages each rank holds (rank r holds stages r,
+    r + degree, ...); zbv and dualpipev always hold 2."""
 
     def __post_init__(self) -> None:
         if self.degree < 1 or self.microbatches < 1 or self.stages_per_rank < 1:
@@ -47,15 +56,22 @@ class PipelineConfig:
         # torch's interleaved schedule runs the microbatches in rounds of `degree` and needs
         # whole rounds (ScheduleInterleaved1F1B's check: microbatches % number_of_rounds == 0).
         rounds = max(1, self.microbatches // self.degree)
-        if self.schedule == "interleaved1f1b" and self.microbatches % rounds:
+        if self.schedule in LOOPED and self.microbatches % rounds:
             raise ConfigError(
-                f"pipeline_config.schedule=interleaved1f1b runs {self.microbatches} microbatches "
+                f"pipeline_config.schedule={self.schedule} runs {self.microbatches} microbatches "
                 f"in {rounds} equal rounds (microbatches // degree), which they do not fill: make "
                 f"pipeline_config.microbatches a multiple of {self.degree}, or below "
                 f"{2 * self.degree}"
             )
 
+        if self.schedule == "dualpipev" and self.degree > 1 and self.microbatches < 2 * self.degree:
+            raise ConfigError(  # ScheduleDualPipeV's own check, said before the ranks start
+                f"pipeline_config.schedule=dualpipev needs at least 2 x degree = {2 * self.degree}"
+                f" microbatches: raise pipeline_config.microbatches"
+            )
+
     @property
     def stages(self) -> int:
         """Stages in the whole pipeline."""
-        return self.degree * (self.stages_per_rank if self.schedule == "interleaved1f1b" else 1)
+        per_rank = self.stages_per_rank if self.schedule in LOOPED else 1
+        return self.degree * (2 if self.schedule in V_SHAPED else per_rank)

@@ -30,11 +30,16 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.pipelining import (
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
 )
 from torch.distributed.tensor import DTensor
 
+from mingpt_ddp.config.pipeline import V_SHAPED, ZERO_BUBBLE
+from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.parallel.mesh import ParallelDims
 from mingpt_ddp.parallel.parallelize import Parallelized, parallelize
 from mingpt_ddp.parallel.stages import (
@@ -43,6 +48,7 @@ from mingpt_ddp.parallel.stages import (
     check_microbatches,
     cut,
     forward_through,
+    placement,
     stage_ids,
 )
 
@@ -50,7 +56,11 @@ SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
     "interleaved1f1b": ScheduleInterleaved1F1B,
+    "interleavedzb": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
 }
+ONE_STAGE = (ScheduleGPipe, Schedule1F1B)  # take one stage; the others a list of a rank's
 
 
 class Pipeline:
@@ -58,13 +68,15 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, mesh, dims: ParallelDims, plan, ctx):
         self.cfg = cfg = plan.pipeline
+        check_schedule(plan, dims)
         me = dims.coordinates(ctx.rank)
         pp_rank = me["pp"]
         # Global ranks of this rank's row (one whole pipeline), in stage order.
         self.row = dist.get_process_group_ranks(mesh["pp"].get_group())
         self.first_of_row = all(v == 0 for k, v in me.items() if k != "pp")  # the first row
         ranges = block_ranges(model.config.n_layer, cfg.stages)
-        self.ids = stage_ids(pp_rank, cfg.degree, cfg.stages)
+        self.rank_of = placement(cfg.degree, cfg.stages, cfg.schedule in V_SHAPED)
+        self.pp_rank, self.ids = pp_rank, stage_ids(pp_rank, self.rank_of)
         last = cfg.stages - 1
         self.stages = [cut(model, ranges[i], i == 0, i == last) for i in self.ids]
         self.parts: list[Parallelized] = [
@@ -81,7 +93,7 @@ class Pipeline:
             for part, i in zip(self.parts, self.ids)
         ]
         kind = SCHEDULES[self.cfg.schedule]
-        one = stages if kind is ScheduleInterleaved1F1B else stages[0]
+        one = stages[0] if kind in ONE_STAGE else stages
         # scale_grads: each microbatch's loss is its own mean; dividing the summed gradients by
         # the microbatch count makes them the gradient of the whole batch's mean loss.
         return kind(one, n_microbatches=self.cfg.microbatches, loss_fn=model.loss, scale_grads=True)
@@ -89,13 +101,13 @@ class Pipeline:
     def tie_the_embeddings(self, tied: bool) -> tuple[dist.ProcessGroup | None, list]:
         """The group of the first and the last stage of this row, and the copies of the tied
         matrix this rank holds. Every rank creates every row's group (new_group is collective)."""
-        if not tied:
-            return None, []
-        last = (self.cfg.degree - 1) * self.across
-        groups = [dist.new_group([r, last + r]) for r in range(self.across)]
-        mine = groups[self.row[0]] if self.has_first or self.has_last else None
         copies = [s.wte.weight for s in self.stages if s.wte is not None]
         copies += [s.lm_head.weight for s in self.stages if s.lm_head is not None]
+        if not tied or self.rank_of[0] == self.rank_of[self.cfg.stages - 1]:
+            return None, copies if tied else []  # a V: both copies here, summed here
+        last = self.rank_of[self.cfg.stages - 1] * self.across
+        groups = [dist.new_group([r, last + r]) for r in range(self.across)]
+        mine = groups[self.row[0]] if self.has_first or self.has_last else None
         return mine, copies
 
     @property
@@ -122,17 +134,20 @@ class Pipeline:
     def tie_gradients(self):
         """Sum the tied matrix's two gradients (first and last stage), so both copies take the
         same step; returns the copy the global norm must not count again (the head), or None."""
+        local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self.tied]
         if self.tie_group is not None:
-            for p in self.tied:
-                grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            for grad in local:
                 dist.all_reduce(grad, group=self.tie_group)
+        elif len(local) == 2:  # a V: the embedding's and the head's gradients both here
+            local[0].add_(local[1])
+            local[1].copy_(local[0])
         return self.stages[-1].lm_head.weight if self.tied and self.has_last else None
 
     def loss_of(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         """Collective over the row: the loss of one batch by a plain forward through the stages
         (any batch shape; the schedule's microbatches are fixed at their training shape), on the
         last stage; None elsewhere."""
-        logits = forward_through(self.stages, self.ids, self.row, x, self.cfg.stages)
+        logits = forward_through(self.stages, self.ids, self.row, x, self.rank_of)
         return None if logits is None else self.stages[-1].loss(logits, y)
 
     def whole_state(self, standard) -> dict | None:
@@ -150,3 +165,25 @@ class Pipeline:
     def describe(self) -> str:
         cfg = self.cfg
         return f"pipeline {cfg.stages} stages ({cfg.schedule}, {cfg.microbatches} microbatches)"
+
+
+def check_schedule(plan, dims: ParallelDims) -> None:
+    """Refuse what the zero-bubble schedules cannot run, naming the key to change."""
+    schedule = plan.pipeline.schedule
+    if schedule not in ZERO_BUBBLE:
+        return
+    if dims.dp * dims.cp > 1:
+        # Their split backward (stage_backward_input / _weight: plain autograd.grad) never
+        # reaches DDP's reducer (pytorch issue 144530); and in torch 2.13 these schedules do not
+        # run FSDP's gradient reduction after their last weight-gradient chunk either: measured,
+        # FSDP replicas came out 9e-4 to 3e-3 from one process's loss within 6 steps.
+        raise ConfigError(
+            f"pipeline_config.schedule={schedule} splits backward past DDP's and FSDP's gradient "
+            "reduction: replicas would not average; use it with one pipeline (world size = "
+            "pp x tp), or schedule=1f1b or interleaved1f1b with replicas"
+        )
+    if plan.compile:
+        raise ConfigError(
+            f"pipeline_config.schedule={schedule} splits backward, which torch.compile does not "
+            "support: set trainer_config.compile=false"
+        )

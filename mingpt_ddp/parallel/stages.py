@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import generate_stage_to_rank_mapping
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mingpt_ddp.errors import ConfigError
@@ -64,28 +65,37 @@ def cut(model: nn.Module, blocks: range, first: bool, last: bool) -> nn.Module:
     return stage
 
 
-def stage_ids(pp_rank: int, degree: int, stages: int) -> list[int]:
-    """The stages a rank holds: its own column's, pp_rank, pp_rank + degree, ... (the looped
-    placement interleaved 1F1B expects: consecutive stages on consecutive ranks)."""
-    return list(range(pp_rank, stages, degree))
+def placement(degree: int, stages: int, v_shaped: bool) -> dict[int, int]:
+    """Which rank of a row (0 .. degree - 1) holds each stage. Looped (every schedule but the
+    V-shaped ones): stage i on rank i % degree, consecutive stages on consecutive ranks. V (zbv,
+    dualpipev): down the ranks and back up, 2 stages a rank, so rank 0 holds the first stage and
+    the last (the embedding and the head, tied, on one rank) and rank degree - 1 two neighbours
+    (a hand-off with no send). torch's own map, which its schedules use to send and receive."""
+    return generate_stage_to_rank_mapping(degree, stages, style="v" if v_shaped else "loop")
+
+
+def stage_ids(pp_rank: int, rank_of: dict[int, int]) -> list[int]:
+    """The stages a rank holds, in order."""
+    return sorted(stage for stage, rank in rank_of.items() if rank == pp_rank)
 
 
 def forward_through(
-    stages: list[nn.Module], ids: list[int], row: list[int], x: torch.Tensor, n_stages: int
+    stages: list[nn.Module], ids: list[int], row: list[int], x: torch.Tensor, rank_of: dict
 ) -> torch.Tensor | None:
     """Collective over one row: token ids x (B, T) through every stage in order, each stage's
     (B, T, C) output sent in fp32 from its rank to the next stage's (row: the row's global ranks
-    in pp order; stages, ids: this rank's). A plain forward of any batch shape, for evaluation;
-    returns the logits (B, T, V) on the rank of the last stage, None on the others."""
-    mine, degree, h = dict(zip(ids, stages)), len(row), x
-    width = stages[0].config.n_embd
-    for i in mine:  # ascending: a rank's stages come around once per lap of the row
-        if i > 0:
+    in pp order; stages, ids: this rank's; rank_of: placement()). A plain forward of any batch
+    shape, for evaluation; returns the logits (B, T, V) on the rank of the last stage, None on
+    the others."""
+    mine, h, n_stages = dict(zip(ids, stages)), x, len(rank_of)
+    me, width = rank_of[ids[0]], stages[0].config.n_embd
+    for i in mine:  # ascending: a rank's later stage comes after its earlier one's output
+        if i > 0 and rank_of[i - 1] != me:
             h = torch.empty(*x.shape, width, device=x.device)  # (B, T, C)
-            dist.recv(h, src=row[(i - 1) % degree])
+            dist.recv(h, src=row[rank_of[i - 1]])
         h = mine[i](h)
-        if i < n_stages - 1:
-            dist.send(h.float().contiguous(), dst=row[(i + 1) % degree])
+        if i < n_stages - 1 and rank_of[i + 1] != me:  # (a V's turn stays on its rank)
+            dist.send(h.float().contiguous(), dst=row[rank_of[i + 1]])
     return h if ids[-1] == n_stages - 1 else None
 
 
