@@ -36,6 +36,7 @@ from mingpt_ddp.parallel.plan import Plan, dropout_streams, replica, set_tf32
 from mingpt_ddp.parallel.registry import build_strategy
 from mingpt_ddp.parallel.strategy import Batch, Strategy, StrategyArgs
 from mingpt_ddp.runtime.distributed import ControlPlane, DistContext, print0
+from mingpt_ddp.runtime.profiling import StepProfiler
 from mingpt_ddp.runtime.signals import StopSignals
 from mingpt_ddp.runtime.stall import StallWatch, attempt_store
 from mingpt_ddp.snapshots.protocol import Snapshots, Verdict
@@ -70,14 +71,13 @@ class Trainer:
         self.block_size = model.config.block_size  # tokens per window
         self.data_seconds = 0.0  # time spent preparing batches since the last log line
         torch.manual_seed(c.seed + self.state.stream)  # one seed, a stream each (_train_state)
-        main_only = (lambda path: path) if ctx.is_main else (lambda path: "")
-        self.metrics = MetricsLog(
-            main_only(c.metrics_file), main_only(c.tensorboard_dir), still_owner=store.owns_path
-        )
+        files = (c.metrics_file, c.tensorboard_dir) if ctx.is_main else ("", "")  # rank 0 writes
+        self.metrics = MetricsLog(*files, still_owner=store.owns_path)
         self.stops = StopSignals(c.collective_timeout_s)  # SIGTERM/SIGINT: step, snapshot, exit
         # No step for stall_report_s: every rank writes where it is, rank 0 names the late one.
         self.stall = StallWatch(c.stall_report_s, ctx, c.run_dir, attempt_store(ctx))
         self.trace = StartsTrace(c.trace_samples_path, ctx.rank)  # which windows each step read
+        self.profiler = StepProfiler(c.profile_steps, c.run_dir, ctx.rank, ctx.device)
         # Resume, periodic saves, and what a failed save or a signal means (states: this Trainer).
         self.snapshots = Snapshots(
             self, self.strategy, store, c, ctx.is_main, self.control, self.metrics
@@ -165,8 +165,8 @@ class Trainer:
         return tok.decode(out[0, 1:])
 
     def train_step(self) -> torch.Tensor | None:
-        """One optimizer step over grad_accum_steps micro-batches; returns this rank's mean loss
-        (on device), or None where it computed none (a pipeline's earlier stages)."""
+        """One optimizer step; this rank's mean loss (on device), or None (a pipeline's early
+        stages)."""
         s, n = self.strategy, self.state.accum_steps
         self._moved_to(s.begin_step(self.state.step, n))  # torchft: healed from a live peer?
         set_learning_rates(s.optimizers, self.optim_cfg, self.state.step, self.cfg.max_steps)
@@ -176,8 +176,7 @@ class Trainer:
         return loss
 
     def start(self) -> None:
-        """Where training begins: a live torchft replica group's step if one is ahead (this group
-        heals from it, no snapshot read), else the newest snapshot."""
+        """Begin at a live torchft group's step if ahead (a heal), else at the newest snapshot."""
         if not self._moved_to(self.strategy.begin_step(self.state.step, self.state.accum_steps)):
             self.snapshots.resume()
             saved, step = self.snapshots.resumed_config, self.state.step
@@ -200,7 +199,7 @@ class Trainer:
     def train(self) -> bool:
         """Train to max_steps; False if stopped early by SIGTERM/SIGINT (after a snapshot)."""
         try:
-            with self.stops, self.stall:
+            with self.stops, self.stall, self.profiler:
                 finished = self._train_loop()
         finally:
             self.trace.close()
@@ -226,6 +225,7 @@ class Trainer:
                 continue
             window.add(loss)
             self.stall.beat(self.state.step)
+            self.profiler.beat()  # trainer_config.profile_steps: a trace of a few steps
             if self.state.step == window.start_step + 1:  # AdamW's state exists from step 1
                 report_optimizer_memory(self.strategy, self.control)
             progress.update(self.state.step)

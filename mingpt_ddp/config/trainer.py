@@ -114,6 +114,10 @@ class TrainerConfig:
     """When no step completes for this long, every rank writes its stacks and last collectives to
     <run_dir>/stall/ and rank 0 names the rank that is behind (mingpt_ddp/runtime/stall.py); keep
     it below collective_timeout_s, which ends the attempt. 0: off."""
+    profile_steps: int = 0
+    """Trace this many steps (after 2 of warm-up) with torch.profiler: every rank writes a Chrome
+    trace, <run_dir>/traces/rank<R>.json.gz, for Perfetto (mingpt_ddp/runtime/profiling.py). 0:
+    off."""
     trace_samples_path: str = ""
     """Directory for per-rank JSON lines of the window starts each rank trains on (to audit data
     order)."""
@@ -204,11 +208,12 @@ class TrainerConfig:
         """What runs beside training (samples, the collectives' timeout, TensorBoard, CPU threads,
         the early stop): checked with the rest, so a missing tensorboard package fails the job
         before it trains."""
-        if self.sample_chars < 0 or self.collective_timeout_s <= 0 or self.stall_report_s < 0:
+        if min(self.sample_chars, self.stall_report_s, self.profile_steps) < 0:
             raise ConfigError(
-                "trainer_config: sample_chars and stall_report_s must be >= 0 and "
-                "collective_timeout_s > 0"
+                "trainer_config: sample_chars, stall_report_s and profile_steps must be >= 0"
             )
+        if self.collective_timeout_s <= 0:
+            raise ConfigError("trainer_config.collective_timeout_s must be > 0")
         if self.tensorboard:
             try:
                 import tensorboard  # noqa: F401
