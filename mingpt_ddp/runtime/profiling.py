@@ -3,10 +3,12 @@
 After WARMUP steps (the first steps pay for allocations, DDP's bucket rebuild, a pipeline's
 shape inference: not what a trace should show), every rank records `profile_steps` steps with
 torch.profiler and writes <run_dir>/traces/rank<R>.json.gz, which Perfetto (ui.perfetto.dev) or
-chrome://tracing opens. In it: every op with its thread and time, torch's own named regions
-(`DistributedDataParallel.forward`, `autograd::engine::evaluate_function: ...Backward0`, the
-collectives as `gloo:all_reduce` or NCCL kernels, `Optimizer.step#AdamW.step`), and each step as
-`ProfilerStep#N`. Every rank's clock is its host's: on one machine the ranks' traces line up.
+chrome://tracing opens, and benchmarks/timeline.py draws. In it: every op with its thread and
+time, torch's own named regions (`DistributedDataParallel.forward`,
+`autograd::engine::evaluate_function: ...Backward0`, the collectives as `gloo:all_reduce` or
+NCCL kernels, `Optimizer.step#AdamW.step`), and each traced step as the region `ProfilerStep#N`
+(opened here: torch's own marks need a profiler schedule). Every rank's clock is its host's: on
+one machine the ranks' traces line up.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class StepProfiler:
         if device.type == "cuda":
             self.activities.append(ProfilerActivity.CUDA)
         self.profiler: profile | None = None
+        self.region = None  # the traced step's region, "ProfilerStep#N"
 
     def __enter__(self) -> StepProfiler:
         return self
@@ -43,17 +46,26 @@ class StepProfiler:
         if not self.steps:
             return
         self.beats += 1
-        if self.profiler is not None:
-            self.profiler.step()  # marks ProfilerStep#N
         if self.beats == WARMUP:
             self.profiler = profile(activities=self.activities)
             self.profiler.__enter__()
-        elif self.beats == WARMUP + self.steps:
+        if self.beats == WARMUP + self.steps:
             self._finish()
+        elif self.profiler is not None:
+            self._mark(f"ProfilerStep#{self.beats - WARMUP}")  # the next step's region
+
+    def _mark(self, name: str | None) -> None:
+        """Close the current step's region; open `name`'s (None: none)."""
+        if self.region is not None:
+            self.region.__exit__(None, None, None)
+        self.region = torch.profiler.record_function(name) if name else None
+        if self.region is not None:
+            self.region.__enter__()
 
     def _finish(self) -> None:
         if self.profiler is None:
             return
+        self._mark(None)
         profiler, self.profiler = self.profiler, None
         profiler.__exit__(None, None, None)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
