@@ -81,9 +81,10 @@ class ExpertExchange:
         order = torch.argsort(expert.repeat_interleave(theirs.flatten()), stable=True)
         out = compute(got[order], theirs.sum(0))  # (R, C)
         back = out[torch.argsort(order)]  # by source again
-        self.sent.append(send)
-        self.received.append(recv)
-        self.recomputed.append(recomputing())  # activation checkpointing, in backward
+        if torch.is_grad_enabled():  # a training forward (evaluation's are not the step's)
+            self.sent.append(send)
+            self.received.append(recv)
+            self.recomputed.append(recomputing())  # activation checkpointing, in backward
         return funcol.all_to_all_single_autograd(back, send, recv, self.group)
 
 
