@@ -80,9 +80,9 @@ def label(layout: dict) -> str:
         parts.append(f"tp{layout['tp']}{' sp' if layout.get('sp') else ''}")
     if layout["cp"] > 1:
         parts.append(f"cp{layout['cp']}")
-    if layout.get("ep", 1) > 1:
+    if layout.get("experts"):
         bias = " bias only" if layout.get("aux") == 0 else ""  # no balance loss
-        parts.append(f"ep{layout['ep']} ({layout['experts']} experts){bias}")
+        parts.append(f"ep{layout.get('ep', 1)} ({layout['experts']} experts){bias}")
     if layout.get("ac"):
         parts.append(f"ac {layout['ac']}")
     return " x ".join(parts) or "one process"

@@ -94,6 +94,7 @@ def layouts(size: dict) -> list[dict]:
     # Expert parallelism (4 experts, top 2): alone, beside more data parallelism, FSDP, tensor
     # parallelism, and in a pipeline.
     moe = dict(ep=2, experts=4)
+    rows.append(dict(dp=2, parallel="ddp", experts=4))  # ep1: DDP averages the experts too
     rows += [dict(dp=2, parallel="ddp", **moe), dict(dp=4, parallel="ddp", **moe)]
     rows += [dict(dp=2, parallel="fsdp", **moe), dict(dp=2, tp=2, parallel="fsdp", **moe)]
     rows.append(dict(dp=2, pp=2, parallel="ddp", schedule="1f1b", m=4, **moe))

@@ -165,8 +165,14 @@ def test_a_bad_setting_stops_main_in_one_line(shakespeare, tmp_path):
 def test_expert_parallel_layouts_match_one_process_and_send_what_their_routing_says(tmp_path):
     ep = "(4 experts)"
     rows, _ = parallelisms(
-        tmp_path, f"dp2 ddp x ep2 {ep},dp2 fsdp x tp2 x ep2 {ep},dp2 ddp x pp2 1f1b m=4 x ep2 {ep}"
+        tmp_path,
+        f"dp2 ddp x ep2 {ep},dp2 fsdp x tp2 x ep2 {ep},dp2 ddp x pp2 1f1b m=4 x ep2 {ep},"
+        f"dp2 ddp x ep1 {ep}",
     )
+    # ep1: the experts whole on each rank, averaged by DDP with the rest (once a KeyError)
+    plain = rows.pop(f"dp2 ddp x ep1 {ep}")
+    assert plain["sent_bytes_per_step"] == plain["sent_bytes_formula"] > 0, plain
+    assert plain["routing_flips"] == [] and plain["degrees"]["ep"] == 1
     for r in rows.values():  # parallelisms(): within 1e-4 of one process
         assert r["sent_bytes_per_step"] == r["sent_bytes_formula"] > 0, r  # counted = predicted
         assert r["degrees"]["ep"] == 2 and r["load_imbalance"] >= 1.0

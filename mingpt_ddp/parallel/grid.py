@@ -127,7 +127,8 @@ class GridStrategy(Strategy):
         counted over every rank (expert.py)."""
         if self.moe:
             dims, views = self.dims, self.mesh.views if self.mesh is not None else {}
-            group = views["expert_dp"].get_group() if dims.dp * dims.cp > dims.ep else None
+            shared_out = self.experts and dims.dp * dims.cp > dims.ep  # else DDP / FSDP averaged
+            group = views["expert_dp"].get_group() if shared_out else None
             reduce_expert_gradients(self.experts, group, dims.dp * dims.cp)
             readers = views["dp_cp"].get_group() if dims.dp * dims.cp > 1 else None
             self.received, self.routed = end_step(self.moe), rebalance(self.moe, readers)
