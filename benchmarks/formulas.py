@@ -145,7 +145,7 @@ def data_parallel_bytes(strategy, times: int) -> float:
     the ladder wrapped them: DDP over dp x cp, FSDP over dp_shard x cp (gathers: times forwards
     per step, a pipeline's microbatches), HSDP: FSDP within, all-reduce across dp_replicate."""
     dims, how = strategy.dims, strategy.parts[0].data_parallel
-    experts = {id(p) for p in strategy.experts}  # they average themselves (expert_bytes)
+    experts = {id(p) for p in strategy.moe.params}  # they average themselves (expert_bytes)
     if how == "ddp":
         params = {id(p): p for m in strategy.modules for p in m.parameters()}
         params = [p for i, p in params.items() if i not in experts]
@@ -211,7 +211,7 @@ def routing_bytes(strategy, width: int) -> float:
     """The rows expert parallelism exchanged in the last step's MoE forwards (each exchange's
     `last`, module docstring): dispatch and combine, forward and backward, and the counts."""
     sent = 0.0
-    for layer in strategy.moe if strategy.dims.ep > 1 else []:
+    for layer in strategy.moe.layers if strategy.dims.ep > 1 else []:
         me, log = layer.exchange.group.rank(), layer.exchange
         for to, came, recomputed in zip(*log.last):
             rows = sum(to) - to[me] + sum(came) - came[me]
@@ -222,14 +222,14 @@ def routing_bytes(strategy, width: int) -> float:
 
 def expert_bytes(strategy) -> float:
     """Besides the rows (routing_bytes): the experts' gradients over expert_dp, and the tokens
-    per expert over dp x cp (mingpt_ddp/parallel/grid.py: reduce_gradients)."""
-    dims = strategy.dims
-    if not strategy.moe:
+    per expert over dp x cp (mingpt_ddp/parallel/expert.py: ExpertStep.after_backward)."""
+    dims, moe = strategy.dims, strategy.moe
+    if not moe.layers:
         return 0.0
-    grads = sum(p.to_local().numel() * 4 for p in strategy.experts)
+    grads = sum(p.to_local().numel() * 4 for p in moe.params)
     replicas = dims.dp * dims.cp // dims.ep
     sent = ring_sent_bytes("all_reduce", grads, replicas) if replicas > 1 else 0.0
-    counts = len(strategy.moe) * len(strategy.moe[0].expert_bias) * 4
+    counts = len(moe.layers) * len(moe.layers[0].expert_bias) * 4
     return sent + ring_sent_bytes("all_reduce", counts, dims.dp * dims.cp)
 
 

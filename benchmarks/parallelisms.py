@@ -194,7 +194,7 @@ def measure(layout: dict, size: dict) -> dict:
             with CountBytes() as counter, saved.hooks():
                 loss, _ = train_step(strategy, iter(work), 1, clip)
             sent, ops = counter.sent_bytes(), {op: b for op, _, _, _, b in counter.rows()}
-            routing, received = routing_bytes(strategy, size["n_embd"]), strategy.received
+            routing, received = routing_bytes(strategy, size["n_embd"]), strategy.moe.received
         else:
             loss, _ = train_step(strategy, iter(work), 1, clip)
         if step > COUNTED and pipeline is not None:
@@ -245,7 +245,7 @@ def routed_by_block(strategy) -> dict:
     from mingpt_ddp.moe import MoE
 
     names = [n for m in strategy.modules for n, b in m.named_modules() if isinstance(b, MoE)]
-    rows = strategy.routed.tolist() if strategy.routed is not None else []
+    rows = strategy.moe.routed.tolist() if strategy.moe.routed is not None else []
     return dict(zip(names, rows))
 
 

@@ -134,6 +134,55 @@ def expert_params(modules: list[nn.Module]) -> list[nn.Parameter]:
     ]
 
 
+class ExpertStep:
+    """A layout's MoE blocks (none: it does nothing), and what each step does for them beside
+    the Trainer's step: the balance loss scaled as the step's loss is, the experts that ep
+    shared out averaged over the ranks holding the same ones (DDP and FSDP average the rest),
+    the routers' biases moved by the step's tokens per expert over every rank, and that balance
+    for the log line."""
+
+    def __init__(self, modules: list[nn.Module], dims, views: dict):
+        self.layers, self.params, self.dims = moe_layers(modules), expert_params(modules), dims
+        readers = dims.dp * dims.cp  # the ranks that read different tokens
+        shared_out = self.params and readers > dims.ep
+        self.replicas = views["expert_dp"].get_group() if shared_out else None
+        self.readers = views["dp_cp"].get_group() if self.layers and readers > 1 else None
+        self.routed: torch.Tensor | None = None  # the last step's tokens per expert (layers, E)
+        self.received = 0  # the rows this rank's experts computed in the last step
+
+    def scale_balance_loss(self, scale: float) -> None:
+        """moe.AuxGradient's scale: what the step multiplies its loss by before backward."""
+        for layer in self.layers:
+            layer.aux_scale = scale
+
+    def after_backward(self) -> None:
+        if self.layers:
+            reduce_expert_gradients(self.params, self.replicas, self.dims.dp * self.dims.cp)
+            self.received, self.routed = end_step(self.layers), rebalance(self.layers, self.readers)
+
+    def words(self, model: nn.Module, whole: bool) -> str:
+        """For the start-up line: the experts, the parameters a token meets (whole: the model is
+        not a pipeline stage, which holds some blocks only), and how ep shares them out."""
+        if not self.layers:
+            return ""
+        E, ep = model.config.n_experts, self.dims.ep
+        words = f", {E} experts top {model.config.top_k}"
+        words += f" ({model.active_params() / 1e6:.2f}M parameters active)" if whole else ""
+        if ep > 1:  # its ranks are the replicas
+            words += f", expert parallel {ep} ({E // ep} of {E} experts each)"
+        return words
+
+    def record(self, record: dict, control) -> str:
+        """Collective (log steps): the last step's tokens per expert and rows per rank into the
+        metrics record; the words for the log line."""
+        if self.routed is None:
+            return ""
+        received = control.gather(self.received) if self.dims.ep > 1 else []
+        fields, words = load_words(self.routed, received)
+        record.update(fields)
+        return words
+
+
 def reduce_expert_gradients(params: list, group: dist.ProcessGroup | None, divisor: int) -> None:
     """Average the experts' gradients over the data: summed over the ranks holding the same
     experts (group; None: there are none), divided by dp x cp (the module docstring)."""

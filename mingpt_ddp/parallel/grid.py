@@ -19,19 +19,11 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mingpt_ddp.errors import ConfigError
-from mingpt_ddp.moe import moe_layers
 from mingpt_ddp.optim import build_optimizers, check_muon_supported, state_tensors
 from mingpt_ddp.parallel import state
 from mingpt_ddp.parallel.clip import clip_grad_norm
 from mingpt_ddp.parallel.context import local_part
-from mingpt_ddp.parallel.expert import (
-    check_ep,
-    end_step,
-    expert_params,
-    load_words,
-    rebalance,
-    reduce_expert_gradients,
-)
+from mingpt_ddp.parallel.expert import ExpertStep, check_ep
 from mingpt_ddp.parallel.parallelize import parallelize
 from mingpt_ddp.parallel.pipeline import Pipeline
 from mingpt_ddp.parallel.plan import AMP_DTYPES, autocast_attention_fp32, grad_scaler, local_bytes
@@ -66,9 +58,7 @@ class GridStrategy(Strategy):
             modules = [model]
         self.modules, self.train_model = modules, self.parts[0].module
         self.checkpointed = sum(part.checkpointed for part in self.parts)
-        self.moe, self.experts = moe_layers(modules), expert_params(modules)
-        self.routed: torch.Tensor | None = None  # the last step's tokens per expert (layers, E)
-        self.received = 0  # the rows this rank's experts computed in the last step
+        self.moe = ExpertStep(modules, dims, self.mesh.views if self.mesh is not None else {})
         # After the ladder: under FSDP the optimizers must hold the sharded parameters. One set
         # per module: a state dict maps each optimizer to one module's names.
         self.part_optimizers = [build_optimizers(m, args.optim, self.device.type) for m in modules]
@@ -117,31 +107,15 @@ class GridStrategy(Strategy):
         1 / micro-steps (and fp16's loss scale); a pipeline's schedule divides the gradients by
         its microbatches itself, the balance loss's with them."""
         fp16 = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
-        for layer in self.moe:
-            layer.aux_scale = 1.0 if self.pipeline is not None else fp16 / n_micro
+        self.moe.scale_balance_loss(1.0 if self.pipeline is not None else fp16 / n_micro)
         return super().begin_step(step, n_micro)
 
     def reduce_gradients(self) -> bool:
-        """Mixture of experts: the experts that ep shared out average their own gradients (DDP
-        and FSDP left them out), and the routers' biases move by the step's tokens per expert,
-        counted over every rank (expert.py)."""
-        if self.moe:
-            dims, views = self.dims, self.mesh.views if self.mesh is not None else {}
-            shared_out = self.experts and dims.dp * dims.cp > dims.ep  # else DDP / FSDP averaged
-            group = views["expert_dp"].get_group() if shared_out else None
-            reduce_expert_gradients(self.experts, group, dims.dp * dims.cp)
-            readers = views["dp_cp"].get_group() if dims.dp * dims.cp > 1 else None
-            self.received, self.routed = end_step(self.moe), rebalance(self.moe, readers)
+        self.moe.after_backward()  # mixture of experts: experts averaged, biases moved
         return True
 
     def step_record(self, record: dict) -> str:
-        """Collective (log steps): the last step's tokens per expert and rows per rank."""
-        if self.routed is None:
-            return ""
-        received = self.control.gather(self.received) if self.dims.ep > 1 else []
-        fields, words = load_words(self.routed, received)
-        record.update(fields)
-        return words
+        return self.moe.record(record, self.control)
 
     def local(self, batch: Batch) -> tuple:
         """Context parallelism: this rank's chunks of each window."""
@@ -234,17 +208,9 @@ class GridStrategy(Strategy):
         if dims.cp > 1:
             split.append(f"context parallel {dims.cp} (ring attention)")
         if split or dims.ep > 1:
-            dp_words = f"{' x '.join(split)} x {dims.dp} replica{'s' * (dims.dp > 1)} ({dp_words})"
-        if self.moe:  # (a pipeline stage holds some blocks only: no whole count)
-            cfg, active = self.model.config, self.model.active_params() / 1e6
-            dp_words += f", {cfg.n_experts} experts top {cfg.top_k}"
-            dp_words += "" if self.pipeline else f" ({active:.2f}M parameters active)"
-        if dims.ep > 1:  # its ranks are the replicas
-            experts = self.model.config.n_experts
-            dp_words += (
-                f", expert parallel {dims.ep} ({experts // dims.ep} of {experts} experts each)"
-            )
-        dp_words = dp_words.removeprefix(" x ")
+            replicas = f"{dims.dp} replica{'s' * (dims.dp > 1)} ({dp_words})"
+            dp_words = " x ".join([*split, replicas])
+        dp_words += self.moe.words(self.model, whole=self.pipeline is None)
         return dp_words + self.checkpointing_words(), self.precision()
 
     def checkpointing_words(self) -> str:
