@@ -41,26 +41,22 @@ import math
 import torch
 
 from benchmarks.comm_bytes import fsdp_formula, padded_bytes, ring_sent_bytes
+from mingpt_ddp.config.pipeline import ZERO_BUBBLE
 
 
 def bubble(layout: dict) -> float | None:
     """The pipeline's idle share: (p - 1) / (v m + p - 1); None for the zero-bubble schedules,
     which have no textbook formula (table_bubble)."""
-    if layout["pp"] == 1 or layout["schedule"] in ("interleavedzb", "zbv", "dualpipev"):
+    if layout["pp"] == 1 or layout["schedule"] in ZERO_BUBBLE:
         return None
     p, m = layout["pp"], layout["m"]
     v = layout.get("v", 1) if layout["schedule"] == "interleaved1f1b" else 1
     return (p - 1) / (v * m + p - 1)
 
 
-UNIT = {"F": 1, "I": 1, "W": 1, "B": 2}
+UNIT = {"F": 1, "I": 1, "W": 1, "B": 2}  # a full backward is the input's gradient + the weights'
 # torch's _ComputationType names, as the letters its tables print
-KIND = {
-    "FORWARD": "F",
-    "BACKWARD_INPUT": "I",
-    "BACKWARD_WEIGHT": "W",
-    "FULL_BACKWARD": "B",
-}  # a full backward is the input's gradient + the weights'
+KIND = {"FORWARD": "F", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W", "FULL_BACKWARD": "B"}
 
 
 def table_bubble(order: dict[int, list]) -> float:
@@ -68,18 +64,14 @@ def table_bubble(order: dict[int, list]) -> float:
     actions in order) at unit cost: a forward, a backward for the input and one for the weights
     take 1 each, a whole backward 2. Each action starts when its rank is free and what it needs is
     done (a forward the stage before's forward; a backward the stage after's backward and its own
-    forward; the weights' part its input part); the share is 1 - busy / makespan, over ranks. For
-    GPipe and 1F1B this gives (p - 1) / (m + p - 1); for the zero-bubble ones it is their formula
-    (they publish none)."""
+    forward; the weights' part its input part); the share is 1 - busy / makespan, averaged over
+    ranks. For interleaved 1F1B it gives its textbook (p - 1) / (v m + p - 1) (1/9 at p = 2,
+    v = 2, m = 4); for the zero-bubble schedules it is their formula here (they publish none)."""
     parts = lambda a: getattr(a, "sub_actions", None) or [a]  # DualPipeV's overlapped pairs
     acts = {r: [a for a in row if a is not None] for r, row in order.items()}
     last = max(p.stage_index for row in acts.values() for a in row for p in parts(a))
-    done, clock, busy, at = (
-        {},
-        dict.fromkeys(acts, 0.0),
-        dict.fromkeys(acts, 0.0),
-        dict.fromkeys(acts, 0),
-    )
+    done: dict[tuple, float] = {}  # (kind, stage, microbatch) -> when it finished
+    clock, busy, at = dict.fromkeys(acts, 0.0), dict.fromkeys(acts, 0.0), dict.fromkeys(acts, 0)
     moved = True
     while moved:
         moved = False

@@ -16,7 +16,7 @@ def row(layout: dict, ranks: list[dict], one: dict) -> dict:
     losses = [statistics.fmean(v for v in per_step if v is not None) for per_step in steps]
     idle = [r["idle"] for r in ranks if r["idle"] is not None]
     mean = lambda key: statistics.fmean(r[key] for r in ranks)
-    pipeline = layout["pp"] > 1
+    pipeline, formula = layout["pp"] > 1, bubble(layout)  # None: only the table has one
     return {
         "layout": label(layout),
         "degrees": {**{k: layout[k] for k in DEGREES}, "ep": layout.get("ep", 1)},
@@ -38,9 +38,7 @@ def row(layout: dict, ranks: list[dict], one: dict) -> dict:
         "sent_bytes_by_op": [r["ops"] for r in ranks],  # per rank: {c10d op: bytes sent}
         "bubble_measured": statistics.fmean(idle) if idle else None,
         "bubble_per_rank": idle or None,
-        "bubble_formula": bubble(layout)
-        if bubble(layout) is not None
-        else ranks[0]["table_bubble"],
+        "bubble_formula": formula if formula is not None else ranks[0]["table_bubble"],
         "bubble_from_table": ranks[0]["table_bubble"],  # the action table at unit cost
         "param_bytes_per_rank": max(r["params"] for r in ranks),
         "param_bytes_formula": ranks[0]["params_formula"],

@@ -93,12 +93,10 @@ def main() -> None:
     p.add_argument("--out", help="also draw it to this PNG (matplotlib)")
     p.add_argument("--text-width", type=int, default=100, help="characters of the text timeline")
     args = p.parse_args()
-    paths = sorted(
-        Path(args.traces).glob("rank*.json*"), key=lambda q: int(q.name[4:].split(".")[0])
-    )
-    if not paths:
+    number = lambda q: int(q.name[len("rank") :].split(".")[0])  # rank3.json.gz -> 3
+    traces = {number(q): load(q) for q in sorted(Path(args.traces).glob("rank*.json*"), key=number)}
+    if not traces:
         sys.exit(f"timeline: no rank*.json(.gz) under {args.traces}")
-    traces = {int(q.name[4:].split(".")[0]): load(q) for q in paths}
     start, end = window(traces[min(traces)])
     rows = {rank: busy(events, start, end) for rank, events in traces.items()}
     print(text(rows, start, end, args.text_width))
