@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.profiler import record_function as region
 
 from char_dataset import CharDataset, to_device
 from mingpt_ddp.config.deepspeed import DeepSpeedConfig
@@ -191,11 +192,6 @@ class Trainer:
         self.state.jump_to(step)
         return True
 
-    def _target_reached(self) -> bool:
-        """The latest evaluation (this run's, or the snapshot's) met the target_val_loss."""
-        target, loss = self.cfg.target_val_loss, self.state.last_val_loss
-        return bool(target) and loss is not None and loss <= target
-
     def train(self) -> bool:
         """Train to max_steps; False if stopped early by SIGTERM/SIGINT (after a snapshot)."""
         try:
@@ -301,7 +297,8 @@ class Trainer:
             record["sample"] = self._sample()
             line += f" | sample: {record['sample']!r}"
         print0(line)
-        reached = self._target_reached()  # every rank has the same all-reduced loss: all stop here
+        target = self.cfg.target_val_loss  # every rank has the same all-reduced loss: all stop
+        reached = bool(target) and record["val_loss"] <= target
         if reached:
             print0(
                 f"target | val loss {record['val_loss']:.4f} <= trainer_config.target_val_loss "
@@ -326,25 +323,28 @@ def micro_steps(s: Strategy, batches: Iterator[Batch], n: int) -> torch.Tensor:
     """Forward and backward of each micro-batch, gradients summed in place; the mean loss."""
     loss = torch.zeros((), device=s.device)
     for micro, (x, y) in enumerate(batches):
-        # Gradient sync on the last micro-step only: DDP's no_sync, FSDP's reduce-scatter.
-        with s.gradient_sync(micro == n - 1):
-            _, micro_loss = s.train_model(x, y)
-        # Each micro-step's loss / n: the summed gradients are those of the mean loss.
-        s.scaler.scale(micro_loss / n).backward()  # scale: a no-op unless fp16
-        loss += micro_loss.detach() / n
+        with region(f"micro-step {micro}"):  # region: a named span in a profiler trace
+            # Gradient sync on the last micro-step only: DDP's no_sync, FSDP's reduce-scatter.
+            with s.gradient_sync(micro == n - 1), region("forward"):
+                _, micro_loss = s.train_model(x, y)
+            with region("backward"):  # each micro-step's loss / n: the mean loss's gradients
+                s.scaler.scale(micro_loss / n).backward()  # scale: a no-op unless fp16
+            loss += micro_loss.detach() / n
     return loss
 
 
 def update(s: Strategy, grad_clip: float) -> bool:
     """Clip and apply the step's gradients; whether it was applied."""
-    if not s.reduce_gradients():  # engines that average after backward (Horovod, torchft)
-        return False
+    with region("gradient sync"):  # engines that average after backward (Horovod, torchft)
+        if not s.reduce_gradients():
+            return False
     for optimizer in s.optimizers:  # unscale first: the clip threshold is for true gradients
         s.scaler.unscale_(optimizer)
     # The norm over the whole model, wherever its pieces are; inf: measure, do not clip.
     s.last_norm = s.clip(grad_clip or math.inf)
-    for optimizer in s.optimizers:
-        s.scaler.step(optimizer)  # skips the step if fp16 gradients overflowed
-        optimizer.zero_grad(set_to_none=True)  # free gradient memory instead of writing zeros
-    s.scaler.update()
+    with region("optimizer step"):
+        for optimizer in s.optimizers:
+            s.scaler.step(optimizer)  # skips the step if fp16 gradients overflowed
+            optimizer.zero_grad(set_to_none=True)  # free gradient memory, not zeros
+        s.scaler.update()
     return True

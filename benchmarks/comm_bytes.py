@@ -264,16 +264,20 @@ def padded_bytes(params, n: int) -> int:
     return sum(rows(p) * p.shape[1:].numel() * p.element_size() for p in params)
 
 
-def fsdp_formula(model, n: int, local=lambda p: p, times: int = 1) -> tuple[float, float]:
+def fsdp_formula(
+    model, n: int, local=lambda p: p, times: int = 1, resharded: bool = True
+) -> tuple[float, float]:
     """(all-gather, reduce-scatter) bytes sent per rank by one FSDP2 step, group by group: each
     block gathered in forward and again in backward, the root once (FSDPState._lazy_init: the
     root keeps its parameters after forward), every group's gradients reduce-scattered once.
     local(p): what FSDP shards of p (a tensor-parallel rank's piece); times: forwards per step (a
-    pipeline's microbatches; the backwards after the first find the blocks still gathered)."""
+    pipeline's microbatches; the backwards after the first find the blocks still gathered);
+    resharded: reshard_after_forward (False: each block gathered once, by its first forward)."""
     blocks = list(model.blocks.children())  # a ModuleList, or a pipeline stage's ModuleDict
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     root = [local(p) for p in model.parameters() if id(p) not in in_blocks]
-    groups = [(padded_bytes([local(p) for p in b.parameters()], n), times + 1) for b in blocks]
+    gathers = times + 1 if resharded else 1
+    groups = [(padded_bytes([local(p) for p in b.parameters()], n), gathers) for b in blocks]
     groups.append((padded_bytes(root, n), 1))
     gather = sum(times * ring_sent_bytes("all_gather", full / n, n) for full, times in groups)
     scatter = sum(ring_sent_bytes("reduce_scatter", full, n) for full, _ in groups)

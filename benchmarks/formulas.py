@@ -147,9 +147,10 @@ def data_parallel_bytes(strategy, times: int) -> float:
         return 0.0
     shards, tp_piece = dims.dp_shard * dims.cp, _tp_shard(dims.tp)
     local = lambda p: torch.empty(0, device="meta") if id(p) in experts else tp_piece(p)
-    sent = 0.0
+    plan = strategy.pipeline.plan if strategy.pipeline is not None else strategy.plan
+    sent, resharded = 0.0, plan.reshard_after_forward
     for module in strategy.modules:
-        sent += sum(fsdp_formula(module, shards, local=local, times=times))
+        sent += sum(fsdp_formula(module, shards, local, times, resharded))
         if how == "hsdp":  # each group's reduce-scattered shard, summed over the replicas
             sent += sum(
                 ring_sent_bytes("all_reduce", full / shards, dims.dp_replicate)

@@ -78,10 +78,11 @@ def layouts(size: dict) -> list[dict]:
     rows += [dict(dp=1, pp=2, parallel="ddp", schedule="gpipe", m=m) for m in (1, 2, 4, 8)]
     rows += [dict(dp=1, pp=2, parallel="ddp", schedule="1f1b", m=m) for m in (2, 4, 8)]
     rows.append(dict(dp=1, pp=2, parallel="ddp", schedule="interleaved1f1b", m=4, v=2))
-    # Zero bubble (one pipeline: torch 2.13's split backward reduces no replicas' gradients).
+    # Zero bubble: one pipeline, and over FSDP replicas (DDP's are refused: pipeline.py).
     for schedule in ("interleavedzb", "zbv", "dualpipev"):
         v = dict(v=2) if schedule == "interleavedzb" else {}
         rows.append(dict(dp=1, pp=2, parallel="ddp", schedule=schedule, m=4, **v))
+        rows.append(dict(dp=2, pp=2, parallel="fsdp", schedule=schedule, m=4, **v))
     rows.append(dict(dp=2, pp=2, parallel="ddp", schedule="gpipe", m=4))
     rows.append(dict(dp=2, pp=2, parallel="ddp", schedule="1f1b", m=4))
     rows += [dict(dp=1, tp=2, parallel="ddp"), dict(dp=1, tp=2, sp=True, parallel="ddp")]

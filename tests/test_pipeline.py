@@ -60,7 +60,8 @@ def one_process(shakespeare, tmp_path_factory):
         (2, "ddp", "gpipe"),
         (4, "ddp", "gpipe"),  # 2 stages x 2 replicas (GPipe once broke DDP: stages.Stage)
         (4, "fsdp", "1f1b"),
-        (2, "ddp", "zbv"),  # zero bubble: 4 stages in a V on 2 ranks, the tied pair on rank 0
+        # zero bubble: 4 stages in a V on 2 ranks (the tied pair on rank 0) x 2 FSDP replicas
+        (4, "fsdp", "zbv"),
     ],
 )
 def test_a_pipeline_trains_what_one_process_trains(
@@ -121,17 +122,19 @@ def test_a_sigkilled_stage_restarts_and_the_pipeline_resumes_exactly_then_reshar
 @pytest.mark.parametrize(
     "plan, world, refused",
     [
-        (dict(parallel="fsdp"), 4, "splits backward past DDP's and FSDP's gradient reduction"),
-        (dict(parallel="ddp"), 4, "replicas would not average"),
+        (dict(parallel="ddp"), 4, "splits backward past DDP's gradient reduction"),
+        (dict(parallel="ddp"), 8, "set trainer_config.parallel=fsdp"),
         (dict(parallel="ddp", compile=True), 2, "set trainer_config.compile=false"),
     ],
 )
-def test_zero_bubble_schedules_refuse_replicas_and_compile_naming_the_fix(plan, world, refused):
+def test_zero_bubble_schedules_refuse_ddp_replicas_and_compile_naming_the_fix(plan, world, refused):
     pipeline = PipelineConfig(degree=2, schedule="zbv")
     made = Plan(pipeline=pipeline, **plan)
     with pytest.raises(ConfigError, match=refused):
         check_schedule(made, made.dims(world))
     check_schedule(Plan(pipeline=pipeline), Plan(pipeline=pipeline).dims(2))  # one pipeline: runs
+    fsdp = Plan(pipeline=pipeline, parallel="fsdp")
+    check_schedule(fsdp, fsdp.dims(4))  # FSDP replicas run (Pipeline keeps their blocks gathered)
 
 
 def test_the_settings_a_pipeline_cannot_run_are_refused_naming_the_fix():
@@ -230,7 +233,7 @@ def test_parallelisms_counts_the_bytes_the_formulas_predict_and_matches_one_proc
     rows, out = parallelisms(
         tmp_path,
         "pp2 gpipe m=4,pp2 1f1b m=4,pp2 1f1b m=4 x cp2,pp2 gpipe m=1,"
-        "pp2 zbv m=4,pp2 dualpipev m=4,pp2 interleavedzb m=4 v=2",
+        "pp2 zbv m=4,pp2 dualpipev m=4,pp2 interleavedzb m=4 v=2,dp2 fsdp x pp2 zbv m=4",
     )
     for r in rows.values():
         assert r["sent_bytes_per_step"] == r["sent_bytes_formula"] > 0, r  # counted = predicted

@@ -28,7 +28,8 @@ def spans(path, keep) -> list[tuple[float, float, str]]:
 def test_a_ddp_trace_shows_all_reduces_issued_in_backward_and_overlapping_it(shakespeare, tmp_path):
     # The default model (gpt-micro): its gradients fill DDP's first 1 MB bucket and another.
     tiny = {f"{k}={v}" for k, v in TINY_MODEL.items() if k.startswith("gpt_config")}
-    args = [a for a in tiny_overrides(shakespeare, tmp_path, max_steps=6) if a not in tiny]
+    args = tiny_overrides(shakespeare, tmp_path, max_steps=6, save_every=4)  # a save traced
+    args = [a for a in args if a not in tiny]
     result = run_main(args + ["trainer_config.profile_steps=3"], nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"trace | 3 steps | every rank's in {tmp_path / 'traces'}" in result.stdout
@@ -50,6 +51,12 @@ def test_a_ddp_trace_shows_all_reduces_issued_in_backward_and_overlapping_it(sha
         seen.append(any(a < b0 < z for a, z in flights for b0, _, _ in backward))
     assert any(seen), seen  # (on a loaded machine a rank's may finish first; not both, 3 steps)
 
+    # The project's own regions (trainer.step's, the snapshot's), named in every rank's trace.
+    for rank in range(2):
+        names = {n for _, _, n in spans(tmp_path / "traces" / f"rank{rank}.json.gz", str)}
+        own = {"micro-step 0", "forward", "backward", "gradient sync", "optimizer step"}
+        assert own | {"snapshot"} <= names, sorted(own - names)
+
     # The same traces as a text timeline (benchmarks/timeline.py): a row per rank on one clock,
     # compute on each, the all-reduces drawn.
     timeline = REPO / "benchmarks" / "timeline.py"
@@ -58,3 +65,26 @@ def test_a_ddp_trace_shows_all_reduces_issued_in_backward_and_overlapping_it(sha
     assert [rank for rank, _ in rows] == ["0", "1"], out
     assert all("#" in marks for _, marks in rows), out  # compute on every rank
     assert any(set(marks) & {"=", "X"} for _, marks in rows), out  # communication drawn
+
+
+def test_the_gallery_draws_a_layout_by_its_command_and_every_picture_is_on_its_page(tmp_path):
+    # The cheapest picture (a 2-stage 1F1B pipeline, a few seconds) made by the gallery's command.
+    gallery = REPO / "benchmarks" / "gallery.py"
+    out = run_python([sys.executable, gallery, "--out", tmp_path, "--only", "1f1b"]).stdout
+    assert (tmp_path / "1f1b.png").stat().st_size > 10_000, out
+    drawn = (tmp_path / "1f1b.txt").read_text()
+    rows = re.findall(r"^rank (\d) \|([#=X.FBIW]+)\|$", drawn, flags=re.M)
+    assert [rank for rank, _ in rows] == ["0", "1"], drawn
+    assert all({"F", "B"} <= set(marks) for _, marks in rows), drawn  # each stage's actions
+    first = [marks.index("F") for _, marks in rows]
+    assert first[0] < first[1], drawn  # stage 1 starts once stage 0 has sent it a microbatch
+    report = json.loads((tmp_path / "gallery.json").read_text())
+    command = report["layouts"]["1f1b"]["command"]
+    assert "pipeline_config.schedule=1f1b" in command and "profile_steps=1" in command
+    # The committed gallery: every layout's picture exists and its page (both languages) shows it.
+    shown = json.loads((REPO / "docs" / "images" / "gallery" / "gallery.json").read_text())
+    for page in (REPO / "docs" / "gallery.md", REPO / "docs" / "zh-CN" / "gallery.md"):
+        text = page.read_text()
+        for name in shown["layouts"]:
+            assert (REPO / "docs" / "images" / "gallery" / f"{name}.png").is_file()
+            assert f"images/gallery/{name}.png)" in text, (page, name)

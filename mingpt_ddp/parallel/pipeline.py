@@ -22,6 +22,7 @@ What one process does stays true across the stages, by three steps the engine do
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -79,6 +80,9 @@ class Pipeline:
         self.pp_rank, self.ids = pp_rank, stage_ids(pp_rank, self.rank_of)
         last = cfg.stages - 1
         self.stages = [cut(model, ranges[i], i == 0, i == last) for i in self.ids]
+        if cfg.schedule in ZERO_BUBBLE:  # FSDP keeps each block gathered until the step's end
+            plan = dataclasses.replace(plan, reshard_after_forward=False)  # (check_schedule: why)
+        self.plan = plan
         self.parts: list[Parallelized] = [
             parallelize(stage, mesh, dims, plan, ctx, whole=False) for stage in self.stages
         ]
@@ -168,19 +172,25 @@ class Pipeline:
 
 
 def check_schedule(plan, dims: ParallelDims) -> None:
-    """Refuse what the zero-bubble schedules cannot run, naming the key to change."""
+    """Refuse what the zero-bubble schedules cannot run, naming the key to change.
+
+    Their split backward (stage_backward_input, then _weight: plain autograd.grad) never reaches
+    DDP's reducer (pytorch issue 144530): DDP replicas would not average. FSDP's reduction is
+    one of the schedule's own actions (REDUCE_GRAD, after a stage's last weight gradient) and
+    works, provided FSDP keeps each block gathered from forward to that reduction: the input
+    half finds the weights by the parameters registered at that moment, which a block resharded
+    after forward has swapped for its shards, so its weight gradients were never computed
+    (measured: the last stage's block reduced no gradient, replicas 2e-3 off one process in 6
+    steps). Pipeline.__init__ therefore turns reshard_after_forward off for these schedules
+    (torchtitan's default under any pipeline), at the memory of one stage's gathered blocks."""
     schedule = plan.pipeline.schedule
     if schedule not in ZERO_BUBBLE:
         return
-    if dims.dp * dims.cp > 1:
-        # Their split backward (stage_backward_input / _weight: plain autograd.grad) never
-        # reaches DDP's reducer (pytorch issue 144530); and in torch 2.13 these schedules do not
-        # run FSDP's gradient reduction after their last weight-gradient chunk either: measured,
-        # FSDP replicas came out 9e-4 to 3e-3 from one process's loss within 6 steps.
+    if dims.dp * dims.cp > 1 and plan.parallel != "fsdp":
         raise ConfigError(
-            f"pipeline_config.schedule={schedule} splits backward past DDP's and FSDP's gradient "
-            "reduction: replicas would not average; use it with one pipeline (world size = "
-            "pp x tp), or schedule=1f1b or interleaved1f1b with replicas"
+            f"pipeline_config.schedule={schedule} splits backward past DDP's gradient "
+            "reduction: replicas would not average; set trainer_config.parallel=fsdp, or use "
+            "schedule=1f1b or interleaved1f1b with DDP replicas"
         )
     if plan.compile:
         raise ConfigError(

@@ -31,6 +31,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import generate_stage_to_rank_mapping
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import record_function
 
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.moe import moe_layers
@@ -122,6 +123,21 @@ class Stage(PipelineStage):
     def __init__(self, *args, ring=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.ring = ring
+
+    # Each action's compute as a named region of a profiler trace ("stage 1 F0": stage 1's forward
+    # of microbatch 0; B a whole backward, I and W its input and weight halves), the same names
+    # under every schedule: what benchmarks/timeline.py draws.
+    def forward_one_chunk(self, chunk: int, *args, **kwargs):
+        with record_function(f"stage {self.stage_index} F{chunk}"):
+            return super().forward_one_chunk(chunk, *args, **kwargs)
+
+    def backward_one_chunk(self, chunk: int, *args, full_backward: bool = True, **kwargs):
+        with record_function(f"stage {self.stage_index} {'B' if full_backward else 'I'}{chunk}"):
+            return super().backward_one_chunk(chunk, *args, full_backward=full_backward, **kwargs)
+
+    def backward_weight_one_chunk(self, chunk: int, *args, **kwargs):
+        with record_function(f"stage {self.stage_index} W{chunk}"):
+            return super().backward_weight_one_chunk(chunk, *args, **kwargs)
 
     def _forward_metadata_inference(self, *args, **kwargs):
         quiet = self.submod.no_sync() if isinstance(self.submod, DDP) else nullcontext()

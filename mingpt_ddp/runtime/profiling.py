@@ -3,8 +3,10 @@
 After WARMUP steps (the first steps pay for allocations, DDP's bucket rebuild, a pipeline's
 shape inference: not what a trace should show), every rank records `profile_steps` steps with
 torch.profiler and writes <run_dir>/traces/rank<R>.json.gz, which Perfetto (ui.perfetto.dev) or
-chrome://tracing opens, and benchmarks/timeline.py draws. In it: every op with its thread and
-time, torch's own named regions (`DistributedDataParallel.forward`,
+chrome://tracing opens, and benchmarks/timeline.py draws. In it: the project's own regions
+(`micro-step N` holding `forward` and `backward`, `gradient sync`, `optimizer step`: trainer.py;
+`snapshot`: snapshots/protocol.py; a pipeline stage's actions, `stage 1 F0`: stages.Stage), every
+op with its thread and time, torch's own named regions (`DistributedDataParallel.forward`,
 `autograd::engine::evaluate_function: ...Backward0`, the collectives as `gloo:all_reduce` or
 NCCL kernels, `Optimizer.step#AdamW.step`), and each traced step as the region `ProfilerStep#N`
 (opened here: torch's own marks need a profiler schedule). Every rank's clock is its host's: on

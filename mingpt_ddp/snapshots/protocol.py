@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from torch.profiler import record_function
+
 from mingpt_ddp.config.model import GPTConfig
 from mingpt_ddp.config.schema import to_dict
 from mingpt_ddp.errors import SnapshotError, SnapshotMismatch
@@ -210,7 +212,8 @@ class Snapshots:
     def save(self, block: bool = False) -> float:
         """Save the current state; returns (and records in the metrics) the seconds training was
         stalled."""
-        stalled = self._write(block)
+        with record_function("snapshot"):  # a named region in a profiler trace (profiling.py)
+            stalled = self._write(block)
         self.metrics.write(
             {"step": self.state.step, "event": "snapshot", "stall_ms": round(1e3 * stalled, 2)}
         )
