@@ -26,7 +26,7 @@ under it, never time.
 Recorded per op: calls, input bytes S (the tensors this rank hands the op: the whole tensor for
 all_reduce, broadcast, send, recv; its own shard s for all_gather; the whole input for
 reduce_scatter and all_to_all), and bytes sent: S converted by ring_sent_bytes() with the
-group's size N and whether this rank is the root:
+group's size N and whether this rank is the root (the planner's traffic.ring_sent):
   all_reduce 2(N-1)/N S   all_gather (N-1) s   reduce_scatter (N-1)/N S   all_to_all (N-1)/N S
   broadcast S from the root; gather, reduce S from each non-root; scatter (N-1)/N S from the root;
   send S; recv 0; barrier 0. An all_to_all with uneven splits (expert parallelism's) sends its
@@ -38,7 +38,6 @@ the last send S, a binomial tree the root S log2 N). At N = 2 they all agree.
 
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import sys
@@ -51,6 +50,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+# The ring's bytes per op and FSDP's padding: the planner's formulas, one copy for both.
+from mingpt_ddp.planner.traffic import fsdp, padded  # noqa: E402
+from mingpt_ddp.planner.traffic import ring_sent as ring_sent_bytes  # noqa: E402
 
 # namespace, kind, argument holding this rank's tensors, argument naming the root (- for none), ops.
 # Schema names (torch.ops.c10d.send.default._schema), so an argument moved later still binds.
@@ -88,25 +91,6 @@ OPS = {
     for ns, kind, arg, root, *ops in map(str.split, _TABLE.strip().splitlines())
     for op in ops
 }
-
-
-def ring_sent_bytes(kind: str, nbytes: float, n: int, is_root: bool = False) -> float:
-    """Bytes this rank sends for one `kind` op with `nbytes` of input on a group of n ranks (the
-    algorithms: module docstring)."""
-    per_kind = {
-        "all_reduce": 2 * (n - 1) / n * nbytes,
-        "all_gather": (n - 1) * nbytes,
-        "reduce_scatter": (n - 1) / n * nbytes,
-        "all_to_all": (n - 1) / n * nbytes,
-        "broadcast": nbytes if is_root else 0,
-        "scatter": (n - 1) / n * nbytes if is_root else 0,
-        "gather": 0 if is_root else nbytes,
-        "reduce": 0 if is_root else nbytes,
-        "send": nbytes,
-        "recv": 0,
-        "barrier": 0,
-    }
-    return float(per_kind[kind])
 
 
 def tensor_bytes(value) -> int:
@@ -258,30 +242,23 @@ def ddp_step(n: int, bucket_cap_mb: float = 0.025) -> None:
 
 
 def padded_bytes(params, n: int) -> int:
-    """FSDP2's all-gather input, times N: each parameter padded to a multiple of N rows
-    (_fsdp_common._get_dim0_padded_size), so that every rank's shard has the same size."""
-    rows = lambda p: math.ceil(p.shape[0] / n) * n
-    return sum(rows(p) * p.shape[1:].numel() * p.element_size() for p in params)
+    """FSDP2's all-gather input, times N, of these tensors (traffic.padded)."""
+    return sum(padded([tuple(p.shape)], n, p.element_size()) for p in params)
 
 
 def fsdp_formula(
     model, n: int, local=lambda p: p, times: int = 1, resharded: bool = True
 ) -> tuple[float, float]:
-    """(all-gather, reduce-scatter) bytes sent per rank by one FSDP2 step, group by group: each
-    block gathered in forward and again in backward, the root once (FSDPState._lazy_init: the
-    root keeps its parameters after forward), every group's gradients reduce-scattered once.
-    local(p): what FSDP shards of p (a tensor-parallel rank's piece); times: forwards per step (a
-    pipeline's microbatches; the backwards after the first find the blocks still gathered);
-    resharded: reshard_after_forward (False: each block gathered once, by its first forward)."""
+    """(all-gather, reduce-scatter) bytes sent per rank by one FSDP2 step of model (traffic.fsdp
+    on its groups: each block, then the root, what remains). local(p): what FSDP shards of p (a
+    tensor-parallel rank's piece); times: forwards per step (a pipeline's microbatches);
+    resharded: reshard_after_forward."""
     blocks = list(model.blocks.children())  # a ModuleList, or a pipeline stage's ModuleDict
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
-    root = [local(p) for p in model.parameters() if id(p) not in in_blocks]
-    gathers = times + 1 if resharded else 1
-    groups = [(padded_bytes([local(p) for p in b.parameters()], n), gathers) for b in blocks]
-    groups.append((padded_bytes(root, n), 1))
-    gather = sum(times * ring_sent_bytes("all_gather", full / n, n) for full, times in groups)
-    scatter = sum(ring_sent_bytes("reduce_scatter", full, n) for full, _ in groups)
-    return gather, scatter
+    shape = lambda p: tuple(local(p).shape)  # noqa: E731
+    groups = [[shape(p) for p in b.parameters()] for b in blocks]
+    groups.append([shape(p) for p in model.parameters() if id(p) not in in_blocks])
+    return fsdp(groups, n, times, resharded)
 
 
 def fsdp_step(n: int) -> None:

@@ -1,6 +1,8 @@
 """What each parallel layout should send and hold, from the model's shapes alone: the formulas
-benchmarks/parallelisms.py prints beside what it counts. Bytes are what one rank sends in one
-training step, under the ring algorithms of comm_bytes.ring_sent_bytes; fp32 throughout.
+benchmarks/parallelisms.py prints beside what it counts, each dimension's bytes computed by the
+planner's mingpt_ddp/planner/traffic.py (one copy) from the shapes of a built strategy. Bytes are
+what one rank sends in one training step, under the ring algorithms of traffic.ring_sent; fp32
+throughout.
 
 Every layout is a point of the grid (mingpt_ddp/parallel/mesh.py: pp x dp_replicate x dp_shard x
 cp x tp), and a rank's bytes are the sum of what each of its dimensions sends, each on its own
@@ -42,6 +44,8 @@ import torch
 
 from benchmarks.comm_bytes import fsdp_formula, padded_bytes, ring_sent_bytes
 from mingpt_ddp.config.pipeline import ZERO_BUBBLE
+from mingpt_ddp.planner import traffic
+from mingpt_ddp.planner.traffic import TP_SPLIT
 
 
 def bubble(layout: dict) -> float | None:
@@ -141,8 +145,7 @@ def data_parallel_bytes(strategy, times: int) -> float:
     if how == "ddp":
         params = {id(p): p for m in strategy.modules for p in m.parameters()}
         params = [p for i, p in params.items() if i not in experts]
-        grads = sum(p.numel() * p.element_size() for p in params)
-        return ring_sent_bytes("all_reduce", grads, dims.dp * dims.cp)
+        return traffic.ddp(sum(p.numel() * p.element_size() for p in params), dims.dp * dims.cp)
     if how not in ("fsdp", "hsdp"):
         return 0.0
     shards, tp_piece = dims.dp_shard * dims.cp, _tp_shard(dims.tp)
@@ -166,9 +169,8 @@ def pipeline_bytes(layout: dict, strategy, act: float) -> float:
     pipeline, m = strategy.pipeline, layout["m"]
     n, away = pipeline.cfg.stages, lambda i: pipeline.rank_of[i] != pipeline.pp_rank
     # a hand-off to a stage on this rank (a V's turn) sends nothing
-    sent = sum(
-        m * act * ((i < n - 1 and away(i + 1)) + (i > 0 and away(i - 1))) for i in pipeline.ids
-    )
+    sends = sum((i < n - 1 and away(i + 1)) + (i > 0 and away(i - 1)) for i in pipeline.ids)
+    sent = traffic.handoffs(act, m, sends)
     if pipeline.tie_group is not None:
         for tied in pipeline.tied:
             tied = tied.to_local() if hasattr(tied, "to_local") else tied
@@ -179,25 +181,16 @@ def pipeline_bytes(layout: dict, strategy, act: float) -> float:
 def tensor_bytes(layout: dict, strategy, act: float, blocks: int, times: int) -> float:
     """Tensor (and sequence) parallelism's activations and partial gradients inside the blocks
     (per forward unit act), and sequence parallelism's ends and LayerNorm gradients."""
-    tp = strategy.dims.tp
-    if not layout.get("sp"):  # a MoE block's experts are not split: its attention's 2 only
-        dense = sum(hasattr(b.mlp, "fc") for m in strategy.modules for b in m.blocks.children())
-        return (2 * blocks + 2 * dense) * times * ring_sent_bytes("all_reduce", act, tp)
-    # Per block, forward and backward: 4 all-gathers of a (b, s / tp, h) shard and 4
-    # reduce-scatters of (b, s, h), where tensor parallelism alone all-reduces 4 times.
-    sent = 4 * blocks * times * ring_sent_bytes("all_gather", act / tp, tp)
-    sent += 4 * blocks * times * ring_sent_bytes("reduce_scatter", act, tp)
-    sent += 2 * times * ring_sent_bytes("all_gather", act / tp, tp)  # the head's input, embedding
+    tp, sp = strategy.dims.tp, bool(layout.get("sp"))
+    dense = sum(hasattr(b.mlp, "fc") for m in strategy.modules for b in m.blocks.children())
     norms = [p for m in strategy.modules for n, p in m.named_parameters() if "ln_" in n]
-    return sent + sum(ring_sent_bytes("all_reduce", _whole(p) * 4, tp) for p in norms)
+    return traffic.tensor(act, blocks, dense, times, tp, sp, sum(map(_whole, norms)))
 
 
 def context_bytes(strategy, act: float, blocks: int, times: int) -> float:
     """Ring attention's keys and values (and their gradients), per block and forward unit: K and
     V are each this rank's heads (h / tp) of the unit's tokens."""
-    kv = 2 * act / strategy.dims.tp  # K and V: (b, s / cp, h / tp) fp32 each
-    cp = strategy.dims.cp
-    return blocks * times * ((cp - 1) * kv + (cp - 1) * 2 * kv + kv)  # fwd; bwd + grads; home
+    return traffic.ring_attention(act, blocks, times, strategy.dims.cp, strategy.dims.tp)
 
 
 def routing_bytes(strategy, width: int) -> float:
@@ -241,18 +234,6 @@ def sent_bytes(layout: dict, strategy, size: dict) -> float:
     if strategy.sharded and dims.world_size > 1:  # the squared norm, summed over the grid
         sent += ring_sent_bytes("all_reduce", 4, dims.world_size)
     return sent + data_parallel_bytes(strategy, times) + expert_bytes(strategy)
-
-
-# The parameters tensor parallelism splits (the rest, embeddings, LayerNorms, the head and the
-# row-parallel layers' biases, every rank holds whole).
-TP_SPLIT = (
-    "attn.qkv.weight",
-    "attn.qkv.bias",
-    "attn.proj.weight",
-    "mlp.fc.weight",
-    "mlp.fc.bias",
-    "mlp.proj.weight",
-)
 
 
 def param_bytes(layout: dict, strategy) -> float | None:

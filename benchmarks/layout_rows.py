@@ -46,6 +46,7 @@ def row(layout: dict, ranks: list[dict], one: dict) -> dict:
         "optimizer_bytes_per_rank": max(r["optimizer"] for r in ranks),
         "activation_bytes_per_rank": max(r["saved"] for r in ranks),
         "activation_bytes_formula": activation_bytes(layout, one["saved"]),
+        "tracked_peak_by_category": ranks[0]["tracked"],  # rank 0's, as the planner predicts
     }
 
 

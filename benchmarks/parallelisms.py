@@ -56,7 +56,7 @@ from benchmarks.formulas import (  # noqa: E402
     table_bubble,
 )
 from benchmarks.layout_rows import DEGREES, label, row, table  # noqa: E402
-from benchmarks.probes import SavedBytes, StageClock  # noqa: E402
+from benchmarks.probes import SavedBytes, StageClock, tracked_peak  # noqa: E402
 
 VOCAB = 65
 # The model, the data-parallel layouts' global batch (G windows of T tokens), a pipeline
@@ -184,14 +184,16 @@ def measure(layout: dict, size: dict) -> dict:
     clip = strategy.args.optim.grad_clip
     params = [p for opt in strategy.optimizers for g in opt.param_groups for p in g["params"]]
     losses, idle, sent, ops, saved = [], [], 0.0, {}, SavedBytes(params)
-    routing, received, routed = 0.0, 0, []
+    routing, received, routed, tracked = 0.0, 0, [], {}
     pipeline = strategy.pipeline
     if pipeline is not None:  # the schedule's step alone: the optimizer's step is no bubble
         pipeline.schedule.step = StageClock.common_window(pipeline.schedule.step)
     for step in range(layout["steps"]):
         work = share(layout, step, size, r)
         StageClock.busy = StageClock.wall = 0.0
-        if step == COUNTED:
+        if step == COUNTED - 1 and pipeline is None:  # a warm step, under the planner's trackers
+            (loss, _), tracked = tracked_peak(strategy, train_step, iter(work), 1, clip)
+        elif step == COUNTED:
             with CountBytes() as counter, saved.hooks():
                 loss, _ = train_step(strategy, iter(work), 1, clip)
             sent, ops = counter.sent_bytes(), {op: b for op, _, _, _, b in counter.rows()}
@@ -218,6 +220,7 @@ def measure(layout: dict, size: dict) -> dict:
         "params_formula": param_bytes(layout, strategy),
         "optimizer": strategy.optimizer_state_bytes(),
         "saved": saved.peak,
+        "tracked": tracked,  # peak by category (probes.tracked_peak), at step COUNTED - 1
     }
 
 

@@ -135,6 +135,14 @@ def text(rows: dict[int, dict], start: float, end: float, width: int) -> str:
     return "\n".join(lines)
 
 
+def phases(ax, y: float, spans: list[tuple], window: float) -> None:
+    """The project's regions (x ms, width ms, name) as a thin lane, named where there is room."""
+    for x, w, name in spans:
+        ax.broken_barh([(x, w)], (y + 0.8, 0.1), color=PHASES[name], alpha=0.6)
+        if w > 0.05 * window / 1e3:
+            ax.text(x + w / 2, y + 0.95, name, ha="center", va="bottom", fontsize=6)
+
+
 def draw(rows: dict[int, dict], start: float, end: float, out: str, title: str = "") -> None:
     """The same as a picture: per rank a compute lane (a pipeline's actions labelled) and a
     communication lane coloured by kind."""
@@ -149,11 +157,7 @@ def draw(rows: dict[int, dict], start: float, end: float, out: str, title: str =
     for rank, spans in rows.items():
         y = 1.2 * (len(rows) - 1 - rank)  # rank 0 on top
         ax.broken_barh([ms(a, b) for a, b in spans["compute"]], (y + 0.4, 0.35), color="#9ecae1")
-        for a, b, name in spans["phases"]:
-            x, w = ms(a, b)
-            ax.broken_barh([(x, w)], (y + 0.8, 0.1), color=PHASES[name], alpha=0.6)
-            if w > 0.05 * (end - start) / 1e3:  # room for its name
-                ax.text(x + w / 2, y + 0.95, name, ha="center", va="bottom", fontsize=6)
+        phases(ax, y, [(*ms(a, b), name) for a, b, name in spans["phases"]], end - start)
         first = min((stage for *_, stage in spans["actions"]), default=0)
         for a, b, label, stage in spans["actions"]:  # a rank's later stage pale
             alpha = 0.45 if stage != first else 1.0

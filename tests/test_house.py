@@ -64,6 +64,18 @@ def test_the_package_never_imports_the_story_and_nothing_imports_in_a_cycle():
             visit(name, [name])
 
 
+def test_only_the_planner_loads_the_story_and_only_by_name():
+    # The planner traces the real model and step (mingpt_ddp/planner/memory.py: story()); no
+    # other part of the package reaches the story, by import or by name.
+    for path in (REPO / "mingpt_ddp").rglob("*.py"):
+        text = path.read_text()
+        loads = re.findall(r"import_module\((?:name|\"(\w+)\")", text)
+        if path.name == "memory.py" and path.parent.name == "planner":
+            assert '("model", "trainer")' in text
+        else:
+            assert not loads or not set(loads) & STORY, path
+
+
 def test_config_imports_no_other_part_of_the_package():
     modules = project_modules()
     for name, path in modules.items():

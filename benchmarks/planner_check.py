@@ -1,0 +1,125 @@
+"""The planner held against what runs here: its bytes and peak memory beside the parallelism
+benchmark's counted bytes and tracked peaks, layout by layout.
+
+    python benchmarks/planner_check.py --out benchmarks/results/planner_check.json     # ~3 min
+    python benchmarks/planner_check.py --from parallelisms.json                        # its rows
+
+For every row of benchmarks/parallelisms.py --quick without experts: rank 0's bytes per step
+from the planner's formulas (mingpt_ddp/planner/traffic.py, from the shapes alone) against the
+bytes CountBytes counted on rank 0; rank 0's peak memory by category as the planner predicts it
+(traced under the fake process group where one process can run the layout, estimated from a
+traced block elsewhere: mingpt_ddp/planner/memory.py) against the peak the same trackers
+recorded in the real gloo run (probes.tracked_peak; DDP's bucket copy, which no tracker sees,
+left out of both). Pipelines have no tracked peak (probes.tracked_peak says why): bytes only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.common import hardware  # noqa: E402
+from mingpt_ddp.planner.memory import calibrate, estimate, trace, traceable  # noqa: E402
+from mingpt_ddp.planner.shapes import Layout, Model  # noqa: E402
+from mingpt_ddp.planner.traffic import per_dimension  # noqa: E402
+
+VOCAB = 65  # parallelisms.py's
+
+
+def layout_of(row: dict) -> Layout:
+    """The planner's Layout for a benchmark row (fp32: the benchmark runs without autocast)."""
+    g = row["degrees"]
+    dp = g["dp_replicate"] * g["dp_shard"]
+    return Layout(
+        g["dp_replicate"], g["dp_shard"], g["tp"], g["pp"], g["cp"],
+        row["sequence_parallel"], row["microbatches"] or 1, row["schedule"] or "1f1b",
+        row["stages_per_rank"] or 1, batch=row["global_batch"] // dp, dtype="fp32",
+        parallel="fsdp" if row["parallel"] == "fsdp" else "ddp",
+    )  # fmt: skip
+
+
+def predicted_memory(model: Model, layout: Layout) -> tuple[dict, str]:
+    if traceable(layout):
+        return trace(model, layout, buckets=False), "traced"
+    return estimate(model, layout, calibrate(model, layout)), "estimated"
+
+
+def check(row: dict, model: Model) -> dict:
+    layout = layout_of(row)
+    predicted = sum(per_dimension(model, layout).values())
+    found = {
+        "layout": row["layout"],
+        "sent_bytes_rank0": row["sent_bytes_per_rank"][0],
+        "sent_bytes_predicted": predicted,
+        "bytes_equal": abs(predicted - row["sent_bytes_per_rank"][0]) < 0.5,
+    }
+    measured = row.get("tracked_peak_by_category") or {}
+    if not measured:
+        return found | {"memory": None}
+    memory, source = predicted_memory(model, layout)
+    peak, guess = sum(measured.values()), sum(memory.values())
+    return found | {
+        "memory_from": source,
+        "peak_measured": peak,
+        "peak_predicted": round(guess),
+        "peak_ratio": round(guess / peak, 3),
+        "measured_by_category": measured,
+        "predicted_by_category": {k: round(v) for k, v in memory.items()},
+    }
+
+
+def parallelisms(out: Path) -> dict:
+    script = REPO / "benchmarks" / "parallelisms.py"
+    cmd = [sys.executable, script, "--quick", "--steps", "4", "--out", out]
+    subprocess.run([str(c) for c in cmd], check=True, cwd=REPO)
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--from", dest="source", help="a parallelisms.py --quick JSON (else run it)")
+    p.add_argument("--out", help="write the rows and the worst ratio as JSON here")
+    args = p.parse_args()
+    if args.source:
+        bench = json.loads(Path(args.source).read_text())
+    else:  # kept beside --out: the measured rows the check read
+        kept = (
+            Path(args.out).with_name(Path(args.out).stem + "_parallelisms.json")
+            if args.out
+            else None
+        )
+        with tempfile.TemporaryDirectory() as tmp:
+            bench = parallelisms(kept or Path(tmp) / "p.json")
+    size = bench["size"]
+    model = Model(size["n_layer"], size["n_head"], size["n_embd"], VOCAB, size["T"])
+    rows = [check(r, model) for r in bench["rows"] if not r["experts"]]
+    ratios = [r["peak_ratio"] for r in rows if r.get("peak_ratio")]
+    worst = max(ratios, key=lambda x: abs(x - 1)) if ratios else None
+    print(f"{'layout':40s} {'bytes rank 0':>12s} {'predicted':>12s}  peak KB: measured predicted")
+    for r in rows:
+        mem = (
+            f"{r['peak_measured'] / 1e3:9.1f} {r['peak_predicted'] / 1e3:9.1f} "
+            f"({r['peak_ratio']:.3f}, {r['memory_from']})"
+            if r.get("peak_ratio")
+            else "(no tracked peak: a pipeline)"
+        )
+        print(
+            f"{r['layout']:40s} {r['sent_bytes_rank0']:12,.0f} "
+            f"{r['sent_bytes_predicted']:12,.0f}  {mem}"
+        )
+    equal = sum(r["bytes_equal"] for r in rows)
+    print(f"bytes equal in {equal} of {len(rows)} layouts; worst peak ratio {worst}")
+    if args.out:
+        result = {"hardware": hardware(), "size": size, "worst_peak_ratio": worst, "rows": rows}
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""What it would take: memory, bytes and time per GPU for a model on N GPUs, in any layout.
+
+    python -m mingpt_ddp.planner --model gpt2 --gpus 8 --gpu-memory 80 --search --out plan.json
+    python -m mingpt_ddp.planner --model gpt2-xl --gpus 8 --dp-shard 8 --ac full
+    python -m mingpt_ddp.planner --model 7b --gpus 64 --tp 8 --dp-shard 8 --sp
+
+Per layout: rank 0's peak memory by category (traced for data-parallel layouts under torch's
+fake process group, estimated for the others: memory.py), the bytes each dimension sends per
+step (traffic.py: the formulas the parallelism benchmark checks against what it counts), an
+estimated step time with its assumptions (search.py) and whether it fits. With --search, every
+layout of the GPUs, those that fit first, then the fastest; the best --trace of them traced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.planner.memory import calibrate, trace, traceable
+from mingpt_ddp.planner.search import ASSUMPTIONS, judge, layouts, row, step_time
+from mingpt_ddp.planner.shapes import Layout, Machine, Model
+from mingpt_ddp.planner.traffic import per_dimension
+
+
+def options() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m mingpt_ddp.planner", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--model", default="gpt2", help="a size of model.MODEL_SIZES, or 7b")
+    for name in ("n-layer", "n-head", "n-embd", "vocab", "block"):
+        p.add_argument(f"--{name}", type=int, default=0, help="override the size's shape")
+    p.add_argument("--gpus", type=int, default=8)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU")
+    for name, default, what in (
+        ("peak-tflops", 989.0, "dense bf16 peak per GPU (H100 SXM)"),
+        ("mfu", 0.4, "the share of the peak the matmuls reach"),
+        ("nvlink-gbs", 450.0, "GB/s per GPU each way inside a node (H100 NVLink 4)"),
+        ("network-gbs", 50.0, "GB/s per GPU each way between nodes (400 Gb/s InfiniBand)"),
+    ):
+        p.add_argument(f"--{name}", type=float, default=default, help=what)
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument(
+        "--ac", choices=("none", "full"), default="none", help="activation checkpointing"
+    )
+    p.add_argument(
+        "--global-batch", type=int, default=0, help="windows per step, all replicas (0: 4 a GPU)"
+    )
+    p.add_argument("--parallel", choices=("fsdp", "ddp"), default="fsdp")
+    for name in ("dp-replicate", "dp-shard", "tp", "pp", "cp", "microbatches"):
+        p.add_argument(f"--{name}", type=int, default=0, help="a degree (0: 1, or the rest)")
+    p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
+    p.add_argument("--search", action="store_true", help="every layout of --gpus, best first")
+    p.add_argument("--trace", type=int, default=3, help="how many of the best to trace")
+    p.add_argument("--out", help="write the rows as JSON here")
+    return p
+
+
+def chosen(args, gpus: int) -> Layout:
+    """The layout the degrees name; the data-parallel degree fills the rest of the GPUs."""
+    tp, pp, cp = args.tp or 1, args.pp or 1, args.cp or 1
+    m = args.microbatches or (2 * pp if pp > 1 else 1)
+    fixed = tp * pp * cp * (args.dp_replicate or 1) * (args.dp_shard or 1)
+    if gpus % fixed:
+        raise ConfigError(f"the degrees multiply to {fixed}, which does not divide --gpus {gpus}")
+    rest = gpus // fixed
+    shard = args.dp_shard or (rest if args.parallel == "fsdp" else 1)
+    replicate = args.dp_replicate or (rest if args.parallel == "ddp" else 1)
+    layout = Layout(replicate, shard, tp, pp, cp, args.sp, m, ac=args.ac, dtype=args.dtype)
+    layout = dataclasses.replace(layout, parallel=args.parallel)
+    if layout.gpus != gpus:
+        raise ConfigError(f"the degrees make {layout.gpus} GPUs, not --gpus {gpus}")
+    if (split := with_batch(layout, args.global_batch)) is None:
+        raise ConfigError(
+            f"--global-batch {args.global_batch} does not cut into {replicate * shard} replicas x "
+            f"{m} microbatches of whole windows: make it a multiple of {replicate * shard * m}"
+        )
+    return split
+
+
+def with_batch(layout: Layout, global_batch: int) -> Layout | None:
+    """The layout with its replica's share of the global batch (None: not whole microbatches)."""
+    dp = layout.dp_replicate * layout.dp_shard
+    if global_batch % (dp * layout.microbatches):
+        return None
+    return dataclasses.replace(layout, batch=global_batch // dp)
+
+
+def traced(model: Model, layout: Layout, machine: Machine) -> dict:
+    """A row whose memory is traced (memory.trace) rather than estimated."""
+    memory = trace(model, layout)
+    sent = per_dimension(model, layout, act_bytes=2 if layout.dtype == "bf16" else 4)
+    return row(layout, memory, "traced", sent, step_time(model, layout, machine, sent), machine)
+
+
+def plan(args) -> dict:
+    shape = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "vocab", "block")}
+    model = Model.named(args.model, **shape)
+    machine = Machine(
+        args.gpus, args.gpus_per_node, args.gpu_memory, args.peak_tflops, args.mfu,
+        args.nvlink_gbs, args.network_gbs,
+    )  # fmt: skip
+    args.global_batch = args.global_batch or 4 * args.gpus
+    base = Layout(ac=args.ac, dtype=args.dtype)
+    cache: dict = {}  # calibrations by forward unit (windows, tokens)
+
+    def calibration(layout: Layout) -> dict:
+        key = (layout.batch // layout.microbatches, model.block // layout.cp)
+        if key not in cache:
+            cache[key] = calibrate(model, layout)
+        return cache[key]
+
+    if args.search:
+        found = (with_batch(x, args.global_batch) for x in layouts(model, args.gpus, base))
+        candidates = [x for x in found if x is not None]
+    else:
+        candidates = [chosen(args, args.gpus)]
+    best = lambda r: (not r["fits"], r["step_time_s"])  # noqa: E731
+    rows = sorted((judge(model, x, machine, calibration) | {"_": x} for x in candidates), key=best)
+    traceables = [i for i, r in enumerate(rows) if traceable(r["_"])][: args.trace]
+    rows = [traced(model, r["_"], machine) if i in traceables else r for i, r in enumerate(rows)]
+    rows = sorted(({k: v for k, v in r.items() if k != "_"} for r in rows), key=best)
+    return {
+        "model": dataclasses.asdict(model) | {"name": args.model, "parameters": model.params()},
+        "machine": dataclasses.asdict(machine),
+        "global_batch": args.global_batch,
+        "dtype": args.dtype,
+        "activation_checkpointing": args.ac,
+        "assumptions": ASSUMPTIONS,
+        "rows": rows,
+    }
+
+
+def table(result: dict, limit: int = 12) -> str:
+    gib = lambda b: f"{b / 2**30:.1f}"  # noqa: E731
+    lines = ["| layout | peak GiB/rank (from) | params | grads | optim | acts | temps | buffers "
+             "| sent GB/step | step s | fits |", "|" + "---|" * 11]  # fmt: skip
+    for r in result["rows"][:limit]:
+        m = r["memory_by_category"]
+        cats = " | ".join(gib(m[k]) for k in m)
+        lines.append(
+            f"| {r['layout']} | {gib(r['peak_bytes_per_rank'])} ({r['memory_from']}) | {cats} | "
+            f"{r['sent_bytes_per_step'] / 1e9:.2f} | {r['step_time_s']:.3f} | "
+            f"{'yes' if r['fits'] else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    args = options().parse_args()
+    try:
+        result = plan(args)
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
+    m = result["model"]
+    print(
+        f"plan | {args.model}: {m['parameters'] / 1e6:,.1f}M parameters ({m['n_layer']} x "
+        f"{m['n_embd']}, vocabulary {m['vocab']}, context {m['block']}) on {args.gpus} GPUs of "
+        f"{args.gpu_memory:g} GiB | {args.global_batch} windows a step | {args.dtype} | "
+        f"{len(result['rows'])} layout(s), {sum(r['fits'] for r in result['rows'])} fit"
+    )
+    print(table(result))
+    print("assumptions: " + "; ".join(result["assumptions"]))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

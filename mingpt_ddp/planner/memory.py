@@ -1,0 +1,242 @@
+"""Peak memory of one rank, by category: traced where torch can run the layout in one process,
+estimated from shapes where it cannot.
+
+Traced: the project's own model and strategy (model.py, parallel/grid.py), built for the layout
+under torch's fake process group (`init_process_group("fake")`: every collective returns at
+once, nothing is sent, and each rank's share is what it would be on N ranks) and FakeTensorMode
+(tensors with shapes and no storage), through two training steps; torch's memory trackers count
+every tensor by what it is: FSDPMemTracker for FSDP layouts, MemTracker for one replica
+(DDP's own bucket copy of the gradients added, as its reducer allocates it in C++ where the
+tracker cannot see). The mesh is built before FakeTensorMode (init_device_mesh raises inside).
+
+Estimated (tensor, context and pipeline parallelism, which FakeTensorMode cannot run through
+DTensor's sharding propagation or the pipeline's sends): each category from the shapes, with the
+activations of one block measured by a trace of the same width and batch (a 1-block and a
+2-block model; their difference is a block's) and cut as each dimension cuts them (Korthikanti et
+al., 2205.05198, with attention's scores never stored: SDPA's fused kernels).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import importlib
+import math
+from contextlib import contextmanager
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.planner.shapes import Layout, Model
+from mingpt_ddp.runtime.distributed import ControlPlane
+
+# The categories the planner reports, and the trackers' names folded into them.
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries", "buffers")
+FOLD = {
+    "Parameter": "parameters",
+    "Sharded Param": "parameters",
+    "Unsharded Param": "parameters",
+    "Gradient": "gradients",
+    "Sharded Grad": "gradients",
+    "Unsharded Grad": "gradients",
+    "Optstate": "optimizer",
+    "OptState": "optimizer",
+    "Activation": "activations",
+    "Inputs": "activations",
+    "Temp": "temporaries",
+    "All Gather": "buffers",
+    "Reduce Scatter": "buffers",
+    "Buffer": "buffers",
+    "Other": "buffers",
+}
+
+
+def traceable(layout: Layout) -> bool:
+    """Whether one process can run the layout under the fake group and fake tensors."""
+    return layout.tp == layout.pp == layout.cp == 1
+
+
+def fold(snapshot: dict) -> dict[str, int]:
+    """A tracker's peak snapshot ({device: {category: bytes}}) in the planner's categories."""
+    found = dict.fromkeys(CATEGORIES, 0)
+    for per_device in snapshot.values():
+        for kind, nbytes in per_device.items():
+            name = getattr(kind, "value", kind)
+            if name != "Total":
+                found[FOLD[name]] += nbytes
+    return found
+
+
+def trace(
+    model: Model, layout: Layout, buckets: bool = True, forward_only: bool = False
+) -> dict[str, int]:
+    """Rank 0's peak bytes by category over two training steps (the first builds AdamW's
+    state); buckets: add DDP's; forward_only: what one forward holds for backward instead
+    (_traced_steps). Owns the default group while it runs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from mingpt_ddp import optim
+    from mingpt_ddp.parallel import grid
+    from mingpt_ddp.parallel.mesh import ParallelDims
+
+    clip = torch.nn.utils.clip_grads_with_norm_
+    world = layout.gpus if layout.parallel == "fsdp" else 1  # DDP: one replica's memory
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        plan, ctx = _plan(layout, world)
+        mesh = plan.dims(world).build(torch.device("cpu")) if world > 1 else None
+        # The mesh made outside the fake mode; attention in bf16 under autocast (the start-up
+        # timing that picks it here would time fake kernels); AdamW's plain per-parameter loop,
+        # whose state is the fused kernel's: traced, the fused and foreach kernels on FSDP's
+        # DTensors were counted at 9.7-12.3 GiB for GPT-2 large's 0.77 GiB of state on 8 ranks;
+        # clipping's foreach scaling, at the whole model's size (24.8 GiB for the 7B on 8).
+        with (
+            patched(ParallelDims, "build", lambda self, device: mesh),
+            patched(grid, "autocast_attention_fp32", lambda *_: (False, "bf16, as GPUs run it")),
+            patched(optim, "update_kernel", lambda *_: {"fused": False, "foreach": False}),
+            patched(torch.nn.utils, "clip_grads_with_norm_", partial(clip, foreach=False)),
+            FakeTensorMode(allow_non_fake_inputs=True),
+        ):
+            peak = _traced_steps(model, layout, plan, ctx, forward_only)
+    finally:
+        dist.destroy_process_group()
+    if buckets and not forward_only and layout.parallel != "fsdp" and layout.gpus > 1:
+        peak["buffers"] += 4 * model.params()
+    return peak
+
+
+@contextmanager
+def patched(owner, name: str, value):
+    """owner.name = value for the with's duration."""
+    kept = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, kept)
+
+
+def _plan(layout: Layout, world: int):
+    from mingpt_ddp.config.mesh import MeshConfig
+    from mingpt_ddp.parallel.plan import Plan
+    from mingpt_ddp.runtime.distributed import DistContext
+
+    parallel = "fsdp" if layout.parallel == "fsdp" and world > 1 else "none"
+    degrees = dict(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard) if world > 1 else {}
+    plan = Plan(
+        parallel,
+        use_amp=layout.dtype != "fp32",
+        activation_checkpointing=layout.ac,
+        mesh=MeshConfig(**degrees),
+    )
+    return plan, DistContext(0, 0, world, torch.device("cpu"), local_world_size=world)
+
+
+def story():
+    """The project's GPT (model.py) and training step (trainer.step): the trace runs the real
+    ones. They are the story, which runs from the checkout and is not installed (pyproject.toml),
+    and which the package never imports by name (tests/test_house.py): the planner, the one
+    machinery that must run them, loads them from the checkout by name, here only."""
+    try:
+        model, trainer = (importlib.import_module(name) for name in ("model", "trainer"))
+    except ImportError as e:
+        raise ConfigError(
+            f"the planner traces this project's model.py and trainer.py, not found ({e}): run "
+            "it from the checkout, where they are"
+        ) from e
+    return model.GPT, model.GPTConfig, trainer.step
+
+
+class Alike(ControlPlane):
+    """The start-up checks' answers when every rank is this one: a fake group carries tensors'
+    shapes, not the pickled objects the checks gather."""
+
+    def gather(self, obj) -> list:
+        return [obj] * dist.get_world_size()
+
+
+def _traced_steps(model: Model, layout: Layout, plan, ctx, forward_only: bool) -> dict[str, int]:
+    """Two steps' peak by category (the second holds AdamW's state, made in the first); or,
+    with forward_only, what a forward leaves held for backward (the snapshot after it)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from mingpt_ddp.config.deepspeed import DeepSpeedConfig
+    from mingpt_ddp.config.optimizer import OptimizerConfig
+    from mingpt_ddp.parallel.grid import GridStrategy
+    from mingpt_ddp.parallel.strategy import StrategyArgs
+
+    GPT, GPTConfig, step = story()
+    gc.collect()  # the last trace's fake tensors gone before this tracker starts counting
+    shape = dict(n_layer=model.n_layer, n_head=model.n_head, n_embd=model.n_embd)
+    gpt = GPT(GPTConfig(**shape, vocab_size=model.vocab, block_size=model.block))
+    args = StrategyArgs(plan, ctx, OptimizerConfig(), layout.batch, 1, Alike(), DeepSpeedConfig())
+    strategy = GridStrategy(gpt, args)
+    x = torch.randint(0, model.vocab, (layout.batch, model.block))  # (B, T)
+    if plan.parallel == "fsdp":
+        tracker = FSDPMemTracker(strategy.train_model, strategy.optimizers[0])
+    else:
+        tracker = MemTracker()
+        tracker.track_external(strategy.train_model, *strategy.optimizers)
+    if forward_only:
+        with tracker, strategy.forward_context():
+            _, loss = strategy.train_model(x, x)  # the loss, and the graph behind it
+            gc.collect()
+            return fold(tracker.get_tracker_snapshot()) if loss is not None else {}
+    with tracker:  # from the start: the tracker counts what it sees made (fake tensors)
+        step(strategy, iter([(x, x)]), 1, 1.0)
+        tracker.reset_mod_stats()  # (per-module stats of one iteration at a time)
+        step(strategy, iter([(x, x)]), 1, 1.0)
+    return fold(tracker.get_tracker_snapshot("peak"))
+
+
+def estimate(model: Model, layout: Layout, traced: dict) -> dict:
+    """Rank 0's peak by category from shapes, and from calibrate's traced numbers for one forward
+    unit (a microbatch's windows, T / cp tokens) on one rank: "block", what one block keeps for
+    backward; "rest", what the model keeps outside its blocks (embeddings' output, logits, loss);
+    "temporaries", backward's passing tensors (the logits' gradient the largest)."""
+    from mingpt_ddp.planner.traffic import _local, shards_of
+
+    C, V, T = model.n_embd, model.vocab, model.block
+    blocks = math.ceil(model.n_layer / layout.stages) * layout.stages // layout.pp
+    block = sum(math.prod(s) for s in _local(model.block_tensors(), layout.tp).values())
+    params = blocks * block + (V + T) * C + (2 * C if layout.pp == 1 else 0)
+    shards = shards_of(layout)
+    held = params / shards * 4
+    gathered = 0.0
+    if layout.parallel == "fsdp" and shards > 1:  # the compute copies FSDP gathers
+        item = 2 if layout.dtype == "bf16" else 4
+        gathered = ((V + T) * C + (2 if layout.pp == 1 else blocks) * block) * item
+    # A block's activations, cut by sequence parallelism's tp (every position split), or, by
+    # tensor parallelism alone, only its insides (24 of Korthikanti's 34 units).
+    act = traced["block"] * (1 / layout.tp if layout.sp else (10 + 24 / layout.tp) / 34)
+    if layout.ac == "full":  # only each block's input kept (fp32, the residual stream)
+        micro = layout.batch // (layout.microbatches if layout.pp > 1 else 1)
+        act = micro * (T // layout.cp) * C * 4
+    in_flight = min(layout.pp, layout.microbatches) if layout.pp > 1 else 1  # 1F1B's stage 0
+    ddp = layout.parallel != "fsdp" and layout.gpus > 1
+    return {
+        "parameters": held + gathered,
+        "gradients": held,
+        "optimizer": 2 * held,
+        "activations": (blocks * act + traced["rest"]) * in_flight,
+        "temporaries": traced["temporaries"],
+        "buffers": held if ddp else 0.0,
+    }
+
+
+def calibrate(model: Model, layout: Layout) -> dict[str, float]:
+    """What estimate needs for one forward unit of this layout, from traces of a 1-block and a
+    2-block model of the same width, vocabulary and unit, in this process."""
+    micro = layout.batch // (layout.microbatches if layout.pp > 1 else 1)
+    unit = Layout(batch=micro, dtype=layout.dtype, parallel="ddp")
+    short = dataclasses.replace(model, block=model.block // layout.cp)
+    one, two = (
+        trace(dataclasses.replace(short, n_layer=n), unit, forward_only=True) for n in (1, 2)
+    )
+    block = two["activations"] - one["activations"]  # held after forward: no moment to pick
+    peak = trace(dataclasses.replace(short, n_layer=1), unit)
+    return {"block": block, "rest": one["activations"] - block, "temporaries": peak["temporaries"]}

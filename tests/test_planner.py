@@ -1,0 +1,90 @@
+"""The planner (python -m mingpt_ddp.planner): its shapes are model.py's, its search answers in
+the documented schema, bad degrees are refused in one line, and its bytes and peaks hold against
+what the parallelism benchmark counts and tracks in real gloo runs (benchmarks/planner_check.py)."""
+
+import json
+import sys
+
+import pytest
+import torch
+from conftest import REPO, parallelisms, run_python
+
+from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.planner.shapes import Layout, Model
+from mingpt_ddp.planner.traffic import per_dimension
+from model import GPT, GPTConfig
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gpt2-xl", "7b"])
+def test_the_planners_parameter_count_is_the_models(name):
+    shape = Model.named(name)
+    config = GPTConfig(
+        n_layer=shape.n_layer,
+        n_head=shape.n_head,
+        n_embd=shape.n_embd,
+        vocab_size=shape.vocab,
+        block_size=shape.block,
+    )
+    with torch.device("meta"):  # shapes only: no memory for 6.65B parameters
+        built = GPT(config)
+    assert shape.params() == sum(p.numel() for p in built.parameters())
+
+
+def test_an_unknown_size_is_refused_naming_the_sizes():
+    with pytest.raises(ConfigError, match="--model gpt5: pick one of .*gpt2-xl.*7b"):
+        Model.named("gpt5")
+
+
+def test_bytes_follow_the_grid_each_dimension_on_its_own():
+    model = Model(4, 2, 32, vocab=65, block=32)
+    alone = per_dimension(model, Layout(batch=16, dtype="fp32"))
+    assert sum(alone.values()) == 0  # one rank sends nothing
+    tp = per_dimension(model, Layout(tp=2, batch=16, dtype="fp32"))
+    tp_dp = per_dimension(model, Layout(tp=2, dp_shard=2, batch=8, dtype="fp32"))
+    assert tp_dp["tp"] == tp["tp"] / 2  # half the windows through the same blocks
+    assert tp_dp["dp"] > 0 == tp["dp"]
+
+
+@pytest.mark.slow
+def test_a_search_of_8_gpus_answers_every_layout_best_first(tmp_path):
+    out = tmp_path / "plan.json"
+    cmd = [sys.executable, "-m", "mingpt_ddp.planner", "--model", "gpt2", "--gpus", "8"]
+    cmd += ["--gpu-memory", "80", "--search", "--out", out]
+    result = run_python(cmd, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "plan | gpt2: 124.4M parameters" in result.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) > 20 and all(
+        {"degrees", "fits", "sent_bytes_per_step"} <= set(r) for r in rows
+    )
+    assert all(r["peak_bytes_per_rank"] > 0 and r["degrees"]["tp"] >= 1 for r in rows)
+    # traced: every layout one process runs (8 FSDP shards, 8 DDP replicas), the best 3 at most
+    assert [r["memory_from"] for r in rows].count("traced") == 2
+    order = [(not r["fits"], r["step_time_s"]) for r in rows]
+    assert order == sorted(order)
+    traced = next(r for r in rows if r["memory_from"] == "traced")
+    assert traced["memory_by_category"]["optimizer"] > 0  # AdamW's state, made in step 1
+
+
+@pytest.mark.slow
+def test_degrees_that_do_not_divide_the_gpus_are_refused_in_one_line():
+    cmd = [sys.executable, "-m", "mingpt_ddp.planner", "--gpus", "8", "--tp", "3"]
+    result = run_python(cmd, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        "error: the degrees multiply to 3, which does not divide --gpus 8"
+    )
+
+
+@pytest.mark.slow
+def test_the_planner_predicts_the_bytes_counted_and_the_peaks_tracked_in_real_runs(tmp_path):
+    _, measured = parallelisms(tmp_path, "dp2 ddp,dp2 fsdp,tp2 sp,cp2,pp2 1f1b m=4")
+    out = tmp_path / "check.json"
+    check = REPO / "benchmarks" / "planner_check.py"
+    result = run_python([sys.executable, check, "--from", measured, "--out", out], timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {r["layout"]: r for r in json.loads(out.read_text())["rows"]}
+    assert all(r["bytes_equal"] for r in rows.values()), rows  # from the shapes alone
+    ratios = {k: r["peak_ratio"] for k, r in rows.items() if "peak_ratio" in r}
+    assert set(ratios) == {"dp2 ddp", "dp2 fsdp", "tp2 sp", "cp2"}  # a pipeline: bytes only
+    assert all(0.85 <= x <= 1.15 for x in ratios.values()), ratios
