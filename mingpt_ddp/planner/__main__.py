@@ -21,7 +21,7 @@ import sys
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.planner.memory import calibrate, trace, traceable
 from mingpt_ddp.planner.search import ASSUMPTIONS, judge, layouts, row, step_time
-from mingpt_ddp.planner.shapes import Layout, Machine, Model
+from mingpt_ddp.planner.shapes import MACHINES, Layout, Machine, Model
 from mingpt_ddp.planner.traffic import per_dimension
 
 
@@ -34,14 +34,15 @@ def options() -> argparse.ArgumentParser:
         p.add_argument(f"--{name}", type=int, default=0, help="override the size's shape")
     p.add_argument("--gpus", type=int, default=8)
     p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU")
-    for name, default, what in (
-        ("peak-tflops", 989.0, "dense bf16 peak per GPU (H100 SXM)"),
-        ("mfu", 0.4, "the share of the peak the matmuls reach"),
-        ("nvlink-gbs", 450.0, "GB/s per GPU each way inside a node (H100 NVLink 4)"),
-        ("network-gbs", 50.0, "GB/s per GPU each way between nodes (400 Gb/s InfiniBand)"),
+    p.add_argument("--machine", choices=MACHINES, default="h100", help="the defaults below")
+    for name, what in (
+        ("gpu-memory", "GiB per GPU"),
+        ("peak-tflops", "dense bf16 peak per GPU"),
+        ("nvlink-gbs", "GB/s per GPU each way inside a node"),
+        ("network-gbs", "GB/s per GPU each way between nodes"),
     ):
-        p.add_argument(f"--{name}", type=float, default=default, help=what)
+        p.add_argument(f"--{name}", type=float, default=0.0, help=f"{what} (0: the machine's)")
+    p.add_argument("--mfu", type=float, default=0.4, help="the share of the peak matmuls reach")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument(
         "--ac", choices=("none", "full"), default="none", help="activation checkpointing"
@@ -89,6 +90,14 @@ def with_batch(layout: Layout, global_batch: int) -> Layout | None:
     return dataclasses.replace(layout, batch=global_batch // dp)
 
 
+def machine_of(args) -> Machine:
+    """The --machine's numbers, each flag given beating its own."""
+    named = MACHINES[args.machine]
+    given = {k: getattr(args, k if k != "memory_gib" else "gpu_memory") for k in named}
+    numbers = {k: given[k] or v for k, v in named.items()}
+    return Machine(args.gpus, args.gpus_per_node, mfu=args.mfu, **numbers)
+
+
 def traced(model: Model, layout: Layout, machine: Machine) -> dict:
     """A row whose memory is traced (memory.trace) rather than estimated."""
     memory = trace(model, layout)
@@ -99,10 +108,8 @@ def traced(model: Model, layout: Layout, machine: Machine) -> dict:
 def plan(args) -> dict:
     shape = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "vocab", "block")}
     model = Model.named(args.model, **shape)
-    machine = Machine(
-        args.gpus, args.gpus_per_node, args.gpu_memory, args.peak_tflops, args.mfu,
-        args.nvlink_gbs, args.network_gbs,
-    )  # fmt: skip
+    machine = machine_of(args)
+    args.gpu_memory = machine.memory_gib
     args.global_batch = args.global_batch or 4 * args.gpus
     base = Layout(ac=args.ac, dtype=args.dtype)
     cache: dict = {}  # calibrations by forward unit (windows, tokens)

@@ -151,3 +151,13 @@ class Machine:
     """Per GPU, each direction, inside a node (H100 NVLink 4: 900 GB/s both ways)."""
     network_gbs: float = 50.0
     """Per GPU, each direction, between nodes (one 400 Gb/s InfiniBand NDR link per GPU)."""
+
+
+# Named machines: each GPU's memory (GiB), dense bf16 peak and links, as NVIDIA and the
+# InfiniBand generations publish them (per GPU, each direction).
+MACHINES = {
+    "h100": dict(memory_gib=80.0, peak_tflops=989.0, nvlink_gbs=450.0, network_gbs=50.0),
+    "a100": dict(memory_gib=80.0, peak_tflops=312.0, nvlink_gbs=300.0, network_gbs=25.0),
+}
+"""h100: H100 SXM, NVLink 4 (900 GB/s both ways), InfiniBand NDR 400 Gb/s a GPU; a100: A100 SXM
+80 GB, NVLink 3 (600 GB/s both ways), InfiniBand HDR 200 Gb/s a GPU."""
