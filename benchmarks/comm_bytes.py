@@ -246,19 +246,24 @@ def padded_bytes(params, n: int) -> int:
     return sum(padded([tuple(p.shape)], n, p.element_size()) for p in params)
 
 
-def fsdp_formula(
-    model, n: int, local=lambda p: p, times: int = 1, resharded: bool = True
-) -> tuple[float, float]:
-    """(all-gather, reduce-scatter) bytes sent per rank by one FSDP2 step of model (traffic.fsdp
-    on its groups: each block, then the root, what remains). local(p): what FSDP shards of p (a
-    tensor-parallel rank's piece); times: forwards per step (a pipeline's microbatches);
-    resharded: reshard_after_forward."""
+def fsdp_groups(model, local=lambda p: p) -> list[list[tuple]]:
+    """FSDP2's parameter groups of model (apply_fsdp's units: each block, then the root, what
+    remains), as the shapes of what FSDP shards of each parameter (local(p): a tensor-parallel
+    rank's piece)."""
     blocks = list(model.blocks.children())  # a ModuleList, or a pipeline stage's ModuleDict
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     shape = lambda p: tuple(local(p).shape)  # noqa: E731
     groups = [[shape(p) for p in b.parameters()] for b in blocks]
-    groups.append([shape(p) for p in model.parameters() if id(p) not in in_blocks])
-    return fsdp(groups, n, times, resharded)
+    return groups + [[shape(p) for p in model.parameters() if id(p) not in in_blocks]]
+
+
+def fsdp_formula(
+    model, n: int, local=lambda p: p, times: int = 1, resharded: bool = True
+) -> tuple[float, float]:
+    """(all-gather, reduce-scatter) bytes sent per rank by one FSDP2 step of model: traffic.fsdp
+    on its groups. times: forwards per step (a pipeline's microbatches); resharded:
+    reshard_after_forward."""
+    return fsdp(fsdp_groups(model, local), n, times, resharded)
 
 
 def fsdp_step(n: int) -> None:

@@ -24,9 +24,10 @@ Notation: b windows per replica per step, s tokens per window (T), h the width (
 - the norm: where the grid holds pieces (a pipeline, DTensor parameters), one number all-reduced
   over the world (mingpt_ddp/parallel/clip.py).
 - data parallel, as the ladder chose it (parallelize.data_parallel): DDP, one all-reduce of every
-  gradient over dp x cp; FSDP over dp_shard x cp (comm_bytes.fsdp_formula, on each rank's TP
-  shards); HSDP the same within a shard group, then each group's reduce-scattered shard
-  all-reduced over dp_replicate. The experts expert parallelism shared out are not in it.
+  gradient over dp x cp; FSDP over dp_shard x cp (traffic.fsdp on comm_bytes.fsdp_groups, each
+  rank's TP shards); HSDP the same within a shard group, then each group's reduce-scattered
+  shard all-reduced over dp_replicate (traffic.hsdp). The experts expert parallelism shared out
+  are not in it.
 - expert parallel (expert_bytes), from the step's routing count matrix M (M[i][j]: rows rank i
   routed to rank j's experts, in one MoE forward): rank i sends sum_{j != i} M[i][j] rows
   (dispatch) and sum_{j != i} M[j][i] (combine) of width h, each twice (forward, and the
@@ -42,7 +43,7 @@ import math
 
 import torch
 
-from benchmarks.comm_bytes import fsdp_formula, padded_bytes, ring_sent_bytes
+from benchmarks.comm_bytes import fsdp_groups, ring_sent_bytes
 from mingpt_ddp.config.pipeline import ZERO_BUBBLE
 from mingpt_ddp.planner import traffic
 from mingpt_ddp.planner.traffic import TP_SPLIT
@@ -126,16 +127,6 @@ def _tp_shard(tp: int):
     return lambda p: torch.empty(_tp_shape(p, tp), device="meta")  # shape and dtype only
 
 
-def _fsdp_groups(module, shards: int, local) -> list[float]:
-    """FSDP2's groups of a module (each block, then the root: what remains), as the padded bytes
-    of their flat gradients (the reduce-scatter's input)."""
-    blocks = list(module.blocks.children())
-    in_blocks = {id(p) for b in blocks for p in b.parameters()}
-    root = [local(p) for p in module.parameters() if id(p) not in in_blocks]
-    groups = [[local(p) for p in b.parameters()] for b in blocks] + [root]
-    return [padded_bytes(g, shards) for g in groups]
-
-
 def data_parallel_bytes(strategy, times: int) -> float:
     """The data-parallel reduction of this rank's modules (the model, or its pipeline stages), as
     the ladder wrapped them: DDP over dp x cp, FSDP over dp_shard x cp (gathers: times forwards
@@ -153,12 +144,10 @@ def data_parallel_bytes(strategy, times: int) -> float:
     plan = strategy.pipeline.plan if strategy.pipeline is not None else strategy.plan
     sent, resharded = 0.0, plan.reshard_after_forward
     for module in strategy.modules:
-        sent += sum(fsdp_formula(module, shards, local, times, resharded))
+        groups = fsdp_groups(module, local)
+        sent += sum(traffic.fsdp(groups, shards, times, resharded))
         if how == "hsdp":  # each group's reduce-scattered shard, summed over the replicas
-            sent += sum(
-                ring_sent_bytes("all_reduce", full / shards, dims.dp_replicate)
-                for full in _fsdp_groups(module, shards, local)
-            )
+            sent += traffic.hsdp(groups, shards, dims.dp_replicate)
     return sent
 
 

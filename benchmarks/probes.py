@@ -92,21 +92,13 @@ class StageClock:
 
 
 def tracked_peak(strategy, step, *args) -> tuple:
-    """step(strategy, *args) under the memory trackers the planner traces with
-    (mingpt_ddp/planner/memory.py: FSDPMemTracker for an FSDP model, MemTracker for the rest):
-    its result, and this rank's peak by category. Not around a pipeline's schedule: under
-    MemTracker a 1F1B step never completed (a stage waited for a microbatch's receive)."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
+    """step(strategy, *args) under the memory tracker the planner traces with
+    (mingpt_ddp/planner/memory.py: tracker_for): its result, and this rank's peak by category.
+    Not around a pipeline's schedule: under MemTracker a 1F1B step never completed (a stage
+    waited for a microbatch's receive)."""
+    from mingpt_ddp.planner.memory import fold, tracker_for
 
-    from mingpt_ddp.planner.memory import fold
-
-    fsdp = strategy.pipeline is None and strategy.parts[0].data_parallel in ("fsdp", "hsdp")
-    if fsdp:
-        tracker = FSDPMemTracker(strategy.train_model, strategy.optimizers[0])
-    else:
-        tracker = MemTracker()
-        tracker.track_external(*strategy.modules, *strategy.optimizers)
+    tracker = tracker_for(strategy)
     with tracker:
         result = step(strategy, *args)
     return result, fold(tracker.get_tracker_snapshot("peak"))

@@ -109,7 +109,6 @@ def plan(args) -> dict:
     shape = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "vocab", "block")}
     model = Model.named(args.model, **shape)
     machine = machine_of(args)
-    args.gpu_memory = machine.memory_gib
     args.global_batch = args.global_batch or 4 * args.gpus
     base = Layout(ac=args.ac, dtype=args.dtype)
     cache: dict = {}  # calibrations by forward unit (windows, tokens)
@@ -166,7 +165,8 @@ def main() -> None:
     print(
         f"plan | {args.model}: {m['parameters'] / 1e6:,.1f}M parameters ({m['n_layer']} x "
         f"{m['n_embd']}, vocabulary {m['vocab']}, context {m['block']}) on {args.gpus} GPUs of "
-        f"{args.gpu_memory:g} GiB | {args.global_batch} windows a step | {args.dtype} | "
+        f"{result['machine']['memory_gib']:g} GiB | {args.global_batch} windows a step | "
+        f"{args.dtype} | "
         f"{len(result['rows'])} layout(s), {sum(r['fits'] for r in result['rows'])} fit"
     )
     print(table(result))

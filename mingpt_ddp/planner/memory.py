@@ -22,8 +22,8 @@ import dataclasses
 import gc
 import importlib
 import math
-from contextlib import contextmanager
 from functools import partial
+from unittest.mock import patch
 
 import torch
 import torch.distributed as dist
@@ -94,10 +94,10 @@ def trace(
         # DTensors were counted at 9.7-12.3 GiB for GPT-2 large's 0.77 GiB of state on 8 ranks;
         # clipping's foreach scaling, at the whole model's size (24.8 GiB for the 7B on 8).
         with (
-            patched(ParallelDims, "build", lambda self, device: mesh),
-            patched(grid, "autocast_attention_fp32", lambda *_: (False, "bf16, as GPUs run it")),
-            patched(optim, "update_kernel", lambda *_: {"fused": False, "foreach": False}),
-            patched(torch.nn.utils, "clip_grads_with_norm_", partial(clip, foreach=False)),
+            patch.object(ParallelDims, "build", lambda self, device: mesh),
+            patch.object(grid, "autocast_attention_fp32", lambda *_: (False, "bf16, as on GPUs")),
+            patch.object(optim, "update_kernel", lambda *_: {"fused": False, "foreach": False}),
+            patch.object(torch.nn.utils, "clip_grads_with_norm_", partial(clip, foreach=False)),
             FakeTensorMode(allow_non_fake_inputs=True),
         ):
             peak = _traced_steps(model, layout, plan, ctx, forward_only)
@@ -106,17 +106,6 @@ def trace(
     if buckets and not forward_only and layout.parallel != "fsdp" and layout.gpus > 1:
         peak["buffers"] += 4 * model.params()
     return peak
-
-
-@contextmanager
-def patched(owner, name: str, value):
-    """owner.name = value for the with's duration."""
-    kept = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, kept)
 
 
 def _plan(layout: Layout, world: int):
@@ -161,9 +150,6 @@ class Alike(ControlPlane):
 def _traced_steps(model: Model, layout: Layout, plan, ctx, forward_only: bool) -> dict[str, int]:
     """Two steps' peak by category (the second holds AdamW's state, made in the first); or,
     with forward_only, what a forward leaves held for backward (the snapshot after it)."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     from mingpt_ddp.config.deepspeed import DeepSpeedConfig
     from mingpt_ddp.config.optimizer import OptimizerConfig
     from mingpt_ddp.parallel.grid import GridStrategy
@@ -176,11 +162,7 @@ def _traced_steps(model: Model, layout: Layout, plan, ctx, forward_only: bool) -
     args = StrategyArgs(plan, ctx, OptimizerConfig(), layout.batch, 1, Alike(), DeepSpeedConfig())
     strategy = GridStrategy(gpt, args)
     x = torch.randint(0, model.vocab, (layout.batch, model.block))  # (B, T)
-    if plan.parallel == "fsdp":
-        tracker = FSDPMemTracker(strategy.train_model, strategy.optimizers[0])
-    else:
-        tracker = MemTracker()
-        tracker.track_external(strategy.train_model, *strategy.optimizers)
+    tracker = tracker_for(strategy)
     if forward_only:
         with tracker, strategy.forward_context():
             _, loss = strategy.train_model(x, x)  # the loss, and the graph behind it
@@ -193,16 +175,31 @@ def _traced_steps(model: Model, layout: Layout, plan, ctx, forward_only: bool) -
     return fold(tracker.get_tracker_snapshot("peak"))
 
 
+def tracker_for(strategy):
+    """torch's memory tracker for a built strategy: FSDPMemTracker for an FSDP (or HSDP) model,
+    whose categories know its gathered and sharded tensors; MemTracker for the rest, told of
+    every module and optimizer. The planner's traces and the benchmark's real runs
+    (benchmarks/probes.tracked_peak) use this one choice, so their categories compare."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    if strategy.pipeline is None and strategy.parts[0].data_parallel in ("fsdp", "hsdp"):
+        return FSDPMemTracker(strategy.train_model, strategy.optimizers[0])
+    tracker = MemTracker()
+    tracker.track_external(*strategy.modules, *strategy.optimizers)
+    return tracker
+
+
 def estimate(model: Model, layout: Layout, traced: dict) -> dict:
     """Rank 0's peak by category from shapes, and from calibrate's traced numbers for one forward
     unit (a microbatch's windows, T / cp tokens) on one rank: "block", what one block keeps for
     backward; "rest", what the model keeps outside its blocks (embeddings' output, logits, loss);
     "temporaries", backward's passing tensors (the logits' gradient the largest)."""
-    from mingpt_ddp.planner.traffic import _local, shards_of
+    from mingpt_ddp.planner.traffic import local_shapes, shards_of
 
     C, V, T = model.n_embd, model.vocab, model.block
     blocks = math.ceil(model.n_layer / layout.stages) * layout.stages // layout.pp
-    block = sum(math.prod(s) for s in _local(model.block_tensors(), layout.tp).values())
+    block = sum(math.prod(s) for s in local_shapes(model.block_tensors(), layout.tp).values())
     params = blocks * block + (V + T) * C + (2 * C if layout.pp == 1 else 0)
     shards = shards_of(layout)
     held = params / shards * 4

@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 
 from mingpt_ddp.config.pipeline import V_SHAPED, ZERO_BUBBLE
+from mingpt_ddp.parallel.mesh import ParallelDims
+from mingpt_ddp.parallel.parallelize import data_parallel as data_parallel_wrapper
 from mingpt_ddp.parallel.stages import block_ranges, placement
 from mingpt_ddp.planner.shapes import Layout, Model
 
@@ -118,7 +120,7 @@ def per_dimension(model: Model, layout: Layout, act_bytes: int = 4) -> dict[str,
         sent["tp"] = tensor(act, blocks, blocks, m, layout.tp, layout.sp, norms)
     if layout.cp > 1:
         sent["cp"] = ring_attention(act, blocks, m, layout.cp, layout.tp)
-    block = list(_local(model.block_tensors(), layout.tp).values())
+    block = list(local_shapes(model.block_tensors(), layout.tp).values())
     root = list(model.root_tensors(first, last).values())
     if first and last and layout.pp > 1:  # a V: the head's own copy of the tied matrix
         root.append((model.vocab, C))
@@ -141,20 +143,19 @@ def data_parallel(layout: Layout, groups: list[list[tuple]], times: int) -> floa
         return 0.0
     resharded = layout.pp == 1 or layout.schedule not in ZERO_BUBBLE
     sent = sum(fsdp(groups, shards, times, resharded)) if shards > 1 else 0.0
-    if how == "hsdp":
-        sent += sum(ring_sent("all_reduce", padded(g, shards) / shards, replicas) for g in groups)
-    return sent
+    return sent + (hsdp(groups, shards, replicas) if how == "hsdp" else 0.0)
+
+
+def hsdp(groups: list[list[tuple]], shards: int, replicas: int) -> float:
+    """HSDP's second half: each group's reduce-scattered shard all-reduced over the replicas."""
+    return sum(ring_sent("all_reduce", padded(g, shards) / shards, replicas) for g in groups)
 
 
 def wrapper(layout: Layout) -> str:
-    """What averages the gradients (parallelize.data_parallel): "fsdp", "hsdp" (FSDP shards
-    within, replicas across: also DDP's replicas beside tensor parallelism, whose DTensor
-    parameters DDP does not take), "ddp", or "" (one replica)."""
-    if layout.parallel == "fsdp":
-        return "hsdp" if layout.dp_replicate > 1 else "fsdp"
-    if layout.dp_replicate * layout.dp_shard * layout.cp == 1:
-        return ""
-    return "hsdp" if layout.tp > 1 else "ddp"
+    """What averages the gradients, as the ladder chooses it (parallelize.data_parallel):
+    "fsdp", "hsdp" (also DDP's replicas beside tensor parallelism), "ddp", or "" (one replica)."""
+    degrees = {k: getattr(layout, k) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
+    return data_parallel_wrapper(ParallelDims(**degrees), layout.parallel, distributed=True)
 
 
 def shards_of(layout: Layout) -> int:
@@ -175,7 +176,7 @@ TP_SPLIT = (
 ROWS_SPLIT = ("attn.proj.weight", "mlp.proj.weight")  # split along dim 1 (the input features)
 
 
-def _local(tensors: dict[str, tuple], tp: int, split: bool = True) -> dict[str, tuple]:
+def local_shapes(tensors: dict[str, tuple], tp: int, split: bool = True) -> dict[str, tuple]:
     """Each tensor's shape on one tensor-parallel rank."""
     if tp == 1 or not split:
         return tensors
