@@ -302,19 +302,27 @@ def main() -> int:
             f"{hw['capability']}: install a build that lists it"
         )
     half = "bf16" if args.device == "cpu" or hw["bf16_units"] else "fp16"
-    work = tempfile.mkdtemp(prefix="gpu-check-")
+    work, out = tempfile.mkdtemp(prefix="gpu-check-"), args.out or os.path.join(REPO, REPORT)
     c = Check(args.device, find_corpus(args.data), work, args.only)
     try:
-        run_all(c, gpus, half, args.cpu_suite)
+        run_all(c, gpus, half, args.cpu_suite, lambda: dump(c, hw, out))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return write_report(c, hw, args.out or os.path.join(REPO, REPORT))
+    return write_report(c, hw, out)
 
 
-def run_all(c: Check, gpus: int, half: str, cpu_suite: bool) -> None:
-    """Every row of the table for this machine, in its order (what --plan lists)."""
+def run_all(c: Check, gpus: int, half: str, cpu_suite: bool, save) -> None:
+    """Every row of the table for this machine, in its order (what --plan lists); the report is
+    rewritten after each row, so a lease that ends mid-run still brings back the rows it ran."""
     for row in every_row(c.device, gpus, half, cpu_suite):
         run_command(c, row) if row.check in COMMANDS else c.row(row)
+        save()
+
+
+def dump(c: Check, hw: dict, out: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"hardware": hw, "device": c.device, "rows": c.rows}, f, indent=1)
 
 
 def write_report(c: Check, hw: dict, out: str) -> int:
@@ -322,9 +330,7 @@ def write_report(c: Check, hw: dict, out: str) -> int:
     skipped = sum(r["ok"] is None for r in c.rows)
     print(f"\n{len(c.rows) - len(failed) - skipped} passed, {len(failed)} failed, "
           f"{skipped} skipped  (device {c.device}: {hw['name']})")  # fmt: skip
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump({"hardware": hw, "device": c.device, "rows": c.rows}, f, indent=1)
+    dump(c, hw, out)
     return 1 if failed else 0
 
 
