@@ -40,6 +40,7 @@ from mingpt_ddp.runtime.distributed import ControlPlane, DistContext, print0
 from mingpt_ddp.runtime.profiling import StepProfiler
 from mingpt_ddp.runtime.signals import StopSignals
 from mingpt_ddp.runtime.stall import StallWatch, attempt_store
+from mingpt_ddp.runtime.straggler import StepTimes
 from mingpt_ddp.snapshots.protocol import Snapshots, Verdict
 from mingpt_ddp.snapshots.store import SnapshotStore
 from mingpt_ddp.train_state import StartsTrace, TrainState
@@ -68,9 +69,8 @@ class Trainer:
         self.state = self._train_state(len(dataset.train), plan)
         self.num_params = model.num_params()  # now: ZeRO-3 empties the parameters it partitions
         self.strategy = self._build_strategy(model, plan, deepspeed_cfg or DeepSpeedConfig())
-        self.model = self.strategy.model  # the plain module (under FSDP: sharded in place)
-        self.block_size = model.config.block_size  # tokens per window
-        self.data_seconds = 0.0  # time spent preparing batches since the last log line
+        self.model, self.block_size = self.strategy.model, model.config.block_size  # FSDP: shards
+        self.times = StepTimes(c.straggler_factor, ctx, self.control, self.model)  # data, forward
         torch.manual_seed(c.seed + self.state.stream)  # one seed, a stream each (_train_state)
         files = (c.metrics_file, c.tensorboard_dir) if ctx.is_main else ("", "")  # rank 0 writes
         self.metrics = MetricsLog(*files, still_owner=store.owns_path)
@@ -141,7 +141,7 @@ class Trainer:
         for _ in range(n):
             t0 = time.perf_counter()
             batch = self._next_batch()
-            self.data_seconds += time.perf_counter() - t0
+            self.times.data_s += time.perf_counter() - t0
             yield batch
 
     # ------------------------------------------------------------------ training
@@ -273,7 +273,7 @@ class Trainer:
             "tokens_per_sec": round(self.state.global_batch * self.block_size / dt_step, 1),
             "ms_per_step": round(1e3 * dt_step, 2),
             "grad_norm": round(self.strategy.grad_norm(), 4),
-            "data_ms": round(1e3 * self.data_seconds / steps, 3),
+            "data_ms": round(1e3 * self.times.data_s / steps, 3),
         }
         words = self.strategy.step_record(record)  # a mixture of experts' balance, or ""
         print0(
@@ -281,10 +281,10 @@ class Trainer:
             f"lr {record['lr']:.2e} | {record['tokens_per_sec'] / 1e3:.1f}k tok/s | "
             f"{record['ms_per_step']:.1f} ms/step | ETA {format_duration(eta)}{words}"
         )
+        self.times.report(window.step + 1, step, dt_step)  # a rank slower than the others?
         reached = evaluate and self._evaluate_and_report(record)
         self.metrics.write(record)
         window.reset(step)
-        self.data_seconds = 0.0
         return reached
 
     def _evaluate_and_report(self, record: dict) -> bool:

@@ -27,6 +27,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAIN = os.path.join(REPO, "main.py")
+FAULTY = os.path.join(REPO, "tests", "faulty_main.py")  # main.py with one fault injected
 RANKS = os.path.join(REPO, "benchmarks", "ranks.py")  # a job's ranks without torchrun's agent
 
 # A model small enough that a real multi-process run takes seconds on 2 cores, as Hydra overrides.

@@ -1,6 +1,10 @@
 """What a lost worker costs: torchft's replica groups against torchrun's restart + snapshot.
 
     python benchmarks/fault_tolerance.py --quick --out benchmarks/results/fault_tolerance.json
+    python benchmarks/fault_tolerance.py --quick --only local_sgd,diloco,partition --out F
+
+--only picks modes: restart and torchft (the default, below), and slow_links.py's: step,
+local_sgd, diloco (semi-synchronous groups), partition and slow_link (two hosts).
 
 The same model, data and machine, two ways to survive a SIGKILLed worker:
 - restart: one torchrun job of 2 ranks (DDP) under --max-restarts=1; rank 1 is killed, torchrun
@@ -27,140 +31,36 @@ import math
 import os
 import random
 import re
-import shutil
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import (  # noqa: E402
-    MAIN,
-    free_port,
-    hardware,
-    main_command,
-    start,
-    worker_pid,
+from benchmarks import slow_links  # noqa: E402
+from benchmarks.common import FAULTY, hardware, main_command, worker_pid  # noqa: E402
+from benchmarks.replica_jobs import (  # noqa: E402
+    HEARTBEAT_MS,
+    Lighthouse,
+    Stamped,
+    group,
+    lighthouse_program,
+    overrides,
 )
 from mingpt_ddp.metrics import MetricsLog  # noqa: E402
 
-FAULTY = REPO / "tests" / "faulty_main.py"
-HEARTBEAT_MS = 2000  # the lighthouse's: how long a silent group stays in the quorum
+LINKS = ("step", "local_sgd", "diloco", "partition", "slow_link")  # slow_links.py's modes
+MODES = ("restart", "torchft", *LINKS)
+
 SIZES = {
     # The survivor must still be training when the killed group is back (a restart takes ~6 s
     # here), so that it heals from it: 16 windows a step, and 100+ steps after each kill.
     "quick": dict(steps=200, save_every=50, kills=(55, 95), batch=16, kill_steps=(10, 40)),
     "full": dict(steps=400, save_every=100, kills=(105, 195), batch=16, kill_steps=(10, 80)),
 }
-STEP = re.compile(r"^step +(\d+)/")
-
-
-class Stamped:
-    """A process whose output lines are kept with the time each arrived (time.monotonic)."""
-
-    def __init__(self, cmd: list, env: dict | None = None):
-        self.proc = start(cmd, env)  # stdout and stderr in one text pipe
-        self.lines: list[tuple[float, str]] = []
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append((time.monotonic(), line.rstrip("\n")))
-
-    def wait(self, timeout: float) -> int:
-        code = self.proc.wait(timeout=timeout)
-        self.reader.join(timeout=10)
-        return code
-
-    def first(self, needle: str, after: float = 0.0) -> float | None:
-        """When the first line containing needle (at or after `after`) arrived."""
-        return next((t for t, line in self.lines if t >= after and needle in line), None)
-
-    def wait_for(self, needle: str, after: float, timeout: float) -> float | None:
-        """Poll until a line containing needle arrived after `after` (or the process ended)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            if (t := self.first(needle, after)) is not None:
-                return t
-            time.sleep(0.1)
-        return self.first(needle, after)
-
-    def steps(self) -> list[tuple[float, int]]:
-        return [(t, int(m.group(1))) for t, line in self.lines if (m := STEP.match(line))]
-
-    def text(self) -> str:
-        return "\n".join(line for _, line in self.lines)
-
-
-def lighthouse_program() -> str:
-    """torchft's `torchft_lighthouse`: beside this interpreter first (its venv's bin/, where pip put
-    it, whether or not that is on PATH: as main_command runs torchrun with this interpreter), then
-    on PATH; exits with the install command when it is in neither."""
-    beside = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
-    found = beside if os.access(beside, os.X_OK) else shutil.which("torchft_lighthouse")
-    if found is None:
-        sys.exit(
-            f"error: torchft_lighthouse is not beside {sys.executable} nor on PATH: "
-            'pip install -e ".[torchft]" (Linux only)'
-        )
-    return found
-
-
-class Lighthouse:
-    """torchft's lighthouse on a free loopback port, for as long as the `with` lasts."""
-
-    def __init__(self, heartbeat_ms: int = HEARTBEAT_MS, min_groups: int = 1):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        flags = ["--min_replicas", str(min_groups), "--bind", f"[::]:{self.port}"]
-        flags += ["--join_timeout_ms", "1000"]
-        flags += ["--heartbeat_timeout_ms", str(heartbeat_ms), "--quorum_tick_ms", "100"]
-        self.cmd = [lighthouse_program(), *flags]
-
-    def __enter__(self) -> Lighthouse:
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-
-def overrides(data: str, run_dir: Path, size: dict) -> list[str]:
-    """The run both modes train: the default model (gpt-micro), fp32, a step logged each."""
-    return [
-        f"data_config.path={data}",
-        f"data_config.cache_dir={run_dir.parent / 'prepared'}",
-        f"trainer_config.run_dir={run_dir}",
-        f"trainer_config.max_steps={size['steps']}",
-        f"trainer_config.save_every={size['save_every']}",
-        "trainer_config.log_every=1",
-        f"trainer_config.eval_every={size['steps']}",
-        "trainer_config.eval_iters=2",
-        "trainer_config.sample_chars=0",
-        "trainer_config.use_amp=false",
-        f"trainer_config.batch_size={size['batch']}",
-        "trainer_config.device=cpu",
-    ]
-
-
-def group(
-    lighthouse: Lighthouse, g: int, args: list[str], fault: str | None = None, restarts: int = 1
-) -> Stamped:
-    """Replica group g of 2: a torchrun job of one process that may restart `restarts` times."""
-    flags = (f"--max-restarts={max(restarts, 1)}", "--monitor-interval=0.5")
-    ft = ["torchft_config.groups=2", f"torchft_config.group={g}"]
-    env = {"TORCHFT_LIGHTHOUSE": lighthouse.url, "OMP_NUM_THREADS": "1"}
-    if fault:
-        env["FAULT"] = fault
-    script = FAULTY if fault else MAIN
-    return Stamped(main_command(1, args + ft, flags, script, torchrun=True), env)
 
 
 def run_torchft(data: str, work: Path, size: dict, kill: int) -> dict:
@@ -289,17 +189,28 @@ def main() -> None:
     p.add_argument("--out", help="write the JSON here")
     p.add_argument("--data", default=str(REPO.parent / "shared/data/tinyshakespeare/input.txt"))
     p.add_argument("--chaos", type=int, default=0, help="also N trials of 2 random kills each")
+    p.add_argument("--only", default="restart,torchft", help=f"modes, of {','.join(MODES)}")
+    p.add_argument("--chart", help="with partition: the partitions' timelines (PNG) here")
     args = p.parse_args()
+    modes = [m.strip() for m in args.only.split(",") if m.strip()]
+    if unknown := sorted(set(modes) - set(MODES)):
+        sys.exit(f"error: --only: no mode {', '.join(unknown)}; the modes: {', '.join(MODES)}")
     lighthouse_program()  # before the first run: exits naming the extra if torchft is missing
     size, rows = SIZES["quick" if args.quick else "full"], []
     for kill in size["kills"]:
-        for run in (run_restart, run_torchft):
+        for run in [run for run in (run_restart, run_torchft) if run.__name__[4:] in modes]:
             with tempfile.TemporaryDirectory(prefix="ft-") as work:
                 rows.append(run(args.data, Path(work), size, kill))
             print(json.dumps(rows[-1]), flush=True)
+    with tempfile.TemporaryDirectory(prefix="ft-links-") as work:  # slow_links.py's modes
+        rows += slow_links.rows_for(
+            [m for m in modes if m in LINKS], args.data, Path(work), args.quick
+        )
+    if args.chart and any("timeline" in r for r in rows):
+        slow_links.chart(rows, args.chart)
     result = {"hardware": hardware(), "heartbeat_timeout_ms": HEARTBEAT_MS, "size": size}
     result["rows"] = rows
-    ok = all(r["finished"] for r in rows)
+    ok = all(r["finished"] is not False for r in rows)
     if args.chaos:
         result["chaos"] = chaos(args.data, args.chaos, size)
         ok = ok and all(r["finished"] and r["within_spread"] for r in result["chaos"]["runs"])

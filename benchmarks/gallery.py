@@ -122,7 +122,8 @@ def heal_picture(out: Path, width: int) -> dict:
     """torchft's heal on the project's own event clock (each output line's arrival time): two
     replica groups of one rank through a lighthouse (fault_tolerance.py's run), group 1
     SIGKILLed before step KILL + 1; a tick per logged step, the kill, the heal."""
-    from benchmarks.fault_tolerance import SIZES, Lighthouse, group, overrides
+    from benchmarks.fault_tolerance import SIZES
+    from benchmarks.replica_jobs import Lighthouse, group, overrides
 
     size = {**SIZES["quick"], "steps": HEAL_STEPS}
     with tempfile.TemporaryDirectory(prefix="gallery-torchft-") as work, Lighthouse() as house:

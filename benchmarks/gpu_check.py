@@ -196,7 +196,7 @@ class Check:
         """Two replica groups of one rank, each a torchrun job, meeting at a lighthouse that waits
         for both (the survivor cannot finish before the killed group is back, however slow its
         restart); group 1 SIGKILLed mid-run: torchrun restarts it, and it heals from group 0."""
-        from fault_tolerance import Lighthouse
+        from replica_jobs import Lighthouse
 
         jobs = []
         try:
@@ -215,7 +215,7 @@ class Check:
 
     def replica_group(self, row: Row, url: str, g: int, run_dir: str):
         """Group g of 2 (group 1 killed before step steps/2 + 1), its own GPU on a GPU row."""
-        from fault_tolerance import FAULTY, Stamped
+        from replica_jobs import FAULTY, Stamped
 
         more = [f"trainer_config.max_steps={2 * self.steps}", f"torchft_config.group={g}"]
         env = {"TORCHFT_LIGHTHOUSE": url, "OMP_NUM_THREADS": "1"}
@@ -311,7 +311,7 @@ def main() -> int:
     return write_report(c, hw, out)
 
 
-def run_all(c: Check, gpus: int, half: str, cpu_suite: bool, save) -> None:
+def run_all(c: Check, gpus: int, half: str, cpu_suite: bool, save=lambda: None) -> None:
     """Every row of the table for this machine, in its order (what --plan lists); the report is
     rewritten after each row, so a lease that ends mid-run still brings back the rows it ran."""
     for row in every_row(c.device, gpus, half, cpu_suite):

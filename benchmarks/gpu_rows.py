@@ -230,7 +230,7 @@ def missing(r: Row, device: str) -> str:
     """Why this machine cannot run a row that the table lets run ("" where it can): Horovod's
     build (with NCCL on GPUs), torchft's lighthouse."""
     if r.check == "torchft":
-        from fault_tolerance import lighthouse_program
+        from replica_jobs import lighthouse_program
 
         try:
             lighthouse_program()

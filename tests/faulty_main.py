@@ -10,6 +10,8 @@
                                   on device
     FAULT=enospc_from:RANK:STEP   every snapshot write from that step on fails: a disk that stays
                                   full
+    FAULT=slow:RANK:STEP          that rank reads each batch SLOW_S late from that step on (a slow
+                                  disk or a busy host: a straggler, not a stall)
 
 Faults fire only in the first attempt (TORCHELASTIC_RESTART_COUNT=0), so a restarted
 group runs clean. Everything else is the real main.py, under the real torchrun. A test
@@ -32,9 +34,11 @@ import main  # noqa: E402
 import trainer  # noqa: E402
 from mingpt_ddp.snapshots import storage  # noqa: E402
 
+SLOW_S = 0.05  # the slow rank's delay per batch: several times a tiny model's step here
 kind, fault_rank, fault_step = os.environ["FAULT"].split(":")
 first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 _train_step, _write = trainer.Trainer.train_step, storage.LocalStorage.write
+_next_batch = trainer.Trainer._next_batch
 
 
 def train_step(self):
@@ -85,7 +89,14 @@ def write(self, name: str, data) -> None:
     return _write(self, name, data)
 
 
+def next_batch(self):
+    if kind == "slow" and self.ctx.rank == int(fault_rank) and self.step >= int(fault_step):
+        time.sleep(SLOW_S)  # the injected fault itself: this rank's data arrives late
+    return _next_batch(self)
+
+
 trainer.Trainer.train_step = train_step
+trainer.Trainer._next_batch = next_batch
 storage.LocalStorage.write = write
 
 if __name__ == "__main__":

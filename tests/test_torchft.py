@@ -129,7 +129,8 @@ def test_a_heal_copies_how_the_peer_computes_too():
 
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.AdamW(model.parameters())
-    peer = SimpleNamespace(model=model, optimizers=[optimizer])
+    peer = SimpleNamespace(model=model, optimizers=[optimizer], semi=None)
+    peer.manager = SimpleNamespace(current_step=lambda: 7)  # the step the peer is at
     peer.snapshot_meta = lambda: {"scaler": {}, "attention_fp32": True}
     sent = Groups.peer_state(peer)
     assert sent["meta"] == {"scaler": {}, "attention_fp32": True}
@@ -138,7 +139,7 @@ def test_a_heal_copies_how_the_peer_computes_too():
     me.attention_choice = "attention fp32 (as the snapshot's run)"
     me.load_snapshot_meta = applied.append
     Groups.heal(me, sent)
-    assert applied == [sent["meta"]] and me.healed
+    assert applied == [sent["meta"]] and me.healed and me.peer_step == sent["step"] == 7
     assert me.attention_choice == "attention fp32 (as the peer)"
     assert torch.equal(me.model.weight, model.weight)
 
@@ -173,7 +174,7 @@ def test_the_lighthouse_is_found_beside_the_interpreter_then_on_path_or_named_as
 ):
     """A venv used by its path (venv/bin/python benchmarks/fault_tolerance.py, its bin/ not on
     PATH) has torchft_lighthouse beside its python; without it, one line says what to install."""
-    from benchmarks.fault_tolerance import Lighthouse, lighthouse_program
+    from benchmarks.replica_jobs import Lighthouse, lighthouse_program
 
     monkeypatch.setattr(sys, "executable", str(tmp_path / "venv" / "bin" / "python"))
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
@@ -190,7 +191,7 @@ def test_the_lighthouse_is_found_beside_the_interpreter_then_on_path_or_named_as
 @pytest.mark.slow
 def test_a_killed_group_heals_from_its_peer_while_the_other_trains_on(shakespeare, tmp_path):
     pytest.importorskip("torchft")
-    from benchmarks.fault_tolerance import HEARTBEAT_MS, Lighthouse, group, overrides
+    from benchmarks.replica_jobs import HEARTBEAT_MS, Lighthouse, group, overrides
 
     size = dict(steps=STEPS, save_every=50, batch=4)
     with Lighthouse() as lighthouse:
@@ -216,3 +217,54 @@ def test_a_killed_group_heals_from_its_peer_while_the_other_trains_on(shakespear
     for run in runs:  # both end at the last step, with a finite loss
         last = [r for r in MetricsLog.read(str(run / "metrics.jsonl")) if "train_loss" in r][-1]
         assert last["step"] == STEPS and math.isfinite(last["train_loss"]), last
+
+
+def test_semi_synchronous_settings_name_their_fix():
+    with pytest.raises(ConfigError, match="sync must be one of step, local_sgd, diloco"):
+        TorchftConfig(groups=2, sync="sometimes")
+    with pytest.raises(ConfigError, match="set torchft_config.sync=local_sgd or diloco"):
+        TorchftConfig(groups=2, sync_every=10)
+    TorchftConfig(groups=2, sync="diloco", sync_every=10)
+
+
+@pytest.mark.slow
+def test_muon_is_refused_under_semi_synchronous_groups(shakespeare, tmp_path):
+    """torchft's LocalSGD and DiLoCo hook one optimizer; Muon steps two."""
+    pytest.importorskip("torchft")
+    from conftest import run_main, tiny_overrides
+
+    ft = ["torchft_config.groups=2", "torchft_config.sync=diloco", "torchft_config.sync_every=5"]
+    args = tiny_overrides(shakespeare, tmp_path) + ft + ["optimizer_config.optimizer=muon"]
+    result = run_main(args, nproc=1)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "error: torchft_config.sync=diloco hooks one optimizer" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sync", ["local_sgd", "diloco"])
+def test_semi_synchronous_groups_meet_every_h_steps_and_end_equal(shakespeare, tmp_path, sync):
+    """Two groups meeting every 5 steps for 20: each hands the model's size to the all-reduce
+    once a meeting (4 meetings), and after the last meeting both hold the same model."""
+    pytest.importorskip("torchft")
+    from benchmarks.replica_jobs import Lighthouse, group, overrides
+
+    size = dict(steps=20, save_every=10, batch=4)
+    extra = [
+        f"torchft_config.sync={sync}",
+        "torchft_config.sync_every=5",
+        "trainer_config.log_every=5",
+    ]
+    with Lighthouse(min_groups=2) as lighthouse:
+        runs = [tmp_path / f"group{g}" for g in (0, 1)]
+        jobs = [group(lighthouse, g, overrides(shakespeare, runs[g], size) + extra) for g in (0, 1)]
+        codes = [job.wait(timeout=300) for job in jobs]
+    assert codes == [0, 0], jobs[1].text()[-3000:]
+    assert f"{sync}: meets every 5 steps" in jobs[0].text()
+    records = [MetricsLog.read(str(run / "metrics.jsonl")) for run in runs]
+    for group_records in records:
+        sent = [r["sent_bytes"] for r in group_records if "train_loss" in r]
+        assert len(sent) == 4 and sent[0] > 0 and sent == [k * sent[0] for k in (1, 2, 3, 4)]
+    finals = [
+        [r["val_loss"] for r in group_records if "val_loss" in r][-1] for group_records in records
+    ]
+    assert finals[0] == finals[1] and math.isfinite(finals[0]), finals

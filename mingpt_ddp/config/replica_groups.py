@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from mingpt_ddp.errors import ConfigError
 
+SYNCS = ("step", "local_sgd", "diloco")  # how the replica groups meet (TorchftConfig.sync)
+
 
 @dataclass
 class TorchftConfig:
@@ -29,6 +31,18 @@ class TorchftConfig:
     60 s is torchft's own Manager default (its timeout, quorum_timeout and connect_timeout): in
     the first step the other groups wait in the all-reduce for a group still setting up NCCL or
     compiling (trainer_config.compile), which can take longer than 30 s."""
+    sync: str = "step"
+    """How the groups meet. "step": they average their gradients every step. "local_sgd" and
+    "diloco" (semi-synchronous, for slow links between groups): each group trains alone for
+    sync_every steps, then they average their weights (local SGD), or the change in their weights
+    since the last meeting, applied by an outer Nesterov SGD (DiLoCo), through torchft's LocalSGD
+    and DiLoCo. A lost group can lose up to sync_every steps of its own work."""
+    sync_every: int = 1
+    """Steps between meetings under local_sgd and diloco (H); 1 under "step"."""
+    outer_lr: float = 0.7
+    """DiLoCo's outer learning rate (the DiLoCo paper's 0.7, as torchft's tests use)."""
+    outer_momentum: float = 0.9
+    """DiLoCo's outer Nesterov momentum (the paper's 0.9)."""
 
     def __post_init__(self) -> None:
         if self.groups < 0 or (self.groups and not 0 <= self.group < self.groups):
@@ -38,3 +52,12 @@ class TorchftConfig:
             )
         if self.timeout_s <= 0:
             raise ConfigError(f"torchft_config.timeout_s must be positive, got {self.timeout_s}")
+        if self.sync not in SYNCS:
+            raise ConfigError(
+                f"torchft_config.sync must be one of {', '.join(SYNCS)}, got {self.sync!r}"
+            )
+        if self.sync_every < 1 or (self.sync == "step" and self.sync_every != 1):
+            raise ConfigError(
+                f"torchft_config.sync_every={self.sync_every}: groups that meet every step have "
+                "sync_every=1; set torchft_config.sync=local_sgd or diloco to meet every H steps"
+            )

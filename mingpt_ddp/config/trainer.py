@@ -114,6 +114,10 @@ class TrainerConfig:
     """When no step completes for this long, every rank writes its stacks and last collectives to
     <run_dir>/stall/ and rank 0 names the rank that is behind (mingpt_ddp/runtime/stall.py); keep
     it below collective_timeout_s, which ends the attempt. 0: off."""
+    straggler_factor: float = 1.5
+    """On log steps, a rank whose own work (data and forward) exceeds the others' median by this
+    factor, and by a tenth of the step, is named in one line (mingpt_ddp/runtime/straggler.py).
+    0: off."""
     profile_steps: int = 0
     """Trace this many steps (after 2 of warm-up) with torch.profiler: every rank writes a Chrome
     trace, <run_dir>/traces/rank<R>.json.gz, for Perfetto (mingpt_ddp/runtime/profiling.py). 0:
@@ -211,6 +215,11 @@ class TrainerConfig:
         if min(self.sample_chars, self.stall_report_s, self.profile_steps) < 0:
             raise ConfigError(
                 "trainer_config: sample_chars, stall_report_s and profile_steps must be >= 0"
+            )
+        if self.straggler_factor and self.straggler_factor <= 1:
+            raise ConfigError(
+                f"trainer_config.straggler_factor must be above 1 (or 0: off), got "
+                f"{self.straggler_factor}"
             )
         if self.collective_timeout_s <= 0:
             raise ConfigError("trainer_config.collective_timeout_s must be > 0")

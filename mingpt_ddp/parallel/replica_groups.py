@@ -21,8 +21,9 @@ group, so a group of several ranks would need its own gradient reduction compose
 manager's. The data order survives a loss: group g reads every groups-th window of the one order
 (the position is a function of the step), so while a group is missing its windows of those steps
 are skipped, the survivors' steps average over fewer windows, and every window is trained at most
-once. Each group writes its own snapshots (its own run_dir, one lease each); they matter only if
-every group is lost at once.
+once. With torchft_config.sync = local_sgd or diloco the groups meet every sync_every steps
+instead, for slow links between them (semi_sync.py). Each group writes its own snapshots (its
+own run_dir, one lease each); they matter only if every group is lost at once.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch.nn as nn
 
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.parallel.grid import GridStrategy
+from mingpt_ddp.parallel.semi_sync import SemiSync
 from mingpt_ddp.parallel.strategy import StrategyArgs, check_no_foreign_options
 from mingpt_ddp.runtime.distributed import print0
 
@@ -108,7 +110,21 @@ class ReplicaGroupStrategy(GridStrategy):
                 hostname=cfg.hostname or socket.gethostname(),
                 checkpoint_transport=heal_transport(PGTransport, pg, timeout),
             )
-        self.healed, self.joined = False, False
+        self.healed, self.joined, self.peer_step, self.calls = False, False, 0, 0
+        self.sent_bytes = 0  # what this group handed to the all-reduces between groups
+        self.manager.allreduce = self._counted(self.manager.allreduce)
+        semi = cfg.sync != "step"
+        self.semi = SemiSync(cfg, self.manager, self.model, self.optimizers[0]) if semi else None
+
+    def _counted(self, allreduce):
+        """The manager's all-reduce, counting the bytes each call hands over (the payload: a
+        ring all-reduce over n groups puts 2 (n - 1) / n times that on each group's link)."""
+
+        def counted(tensor: torch.Tensor, *args, **kwargs):
+            self.sent_bytes += tensor.numel() * tensor.element_size()
+            return allreduce(tensor, *args, **kwargs)
+
+        return counted
 
     @classmethod
     def check(cls, args: StrategyArgs) -> None:
@@ -139,13 +155,21 @@ class ReplicaGroupStrategy(GridStrategy):
                 "fp16 under torchft would need GradScaler's skipped steps in the quorum's commit "
                 "vote: use trainer_config.amp_dtype=bf16 or use_amp=false"
             )
+        if plan.torchft.sync != "step" and args.optim.optimizer != "adamw":
+            raise ConfigError(
+                f"torchft_config.sync={plan.torchft.sync} hooks one optimizer, and "
+                f"optimizer={args.optim.optimizer} steps two: use optimizer_config.optimizer=adamw"
+            )
 
     # ------------------------------------------------------------ the step
     def begin_step(self, step: int, n_micro: int) -> int | None:
         """Join this step's quorum (healing first if this group is behind); returns the step a
         heal moved the group to, None if it stays. Once per step: the Trainer joins before it
         resumes (Trainer.start), and the first step then trains in that same quorum, as the
-        other groups expect (a second quorum would leave them waiting in their all-reduce)."""
+        other groups expect (a second quorum would leave them waiting in their all-reduce).
+        Under local_sgd and diloco the groups meet after steps, not before: _begin_semi."""
+        if self.semi is not None:
+            return self._begin_semi(step)
         if self.joined:
             return None
         if self.manager.current_step() != step:  # a resumed snapshot: the quorum must know it
@@ -155,6 +179,18 @@ class ReplicaGroupStrategy(GridStrategy):
         self.manager.start_quorum()
         moved = self.healed and self.manager.current_step() != step
         return self.manager.current_step() if moved else None
+
+    def _begin_semi(self, step: int) -> int | None:
+        """No quorum before a step: the Trainer's first call (before it resumes) does nothing, a
+        heal in the last meeting moves the group to its peer's step, else the meetings go on."""
+        self.calls += 1
+        if self.calls == 1:  # Trainer.start, before the snapshot is read: not a step
+            return None
+        if self.healed:
+            self.healed, self.semi.step = False, self.peer_step
+            return self.peer_step if self.peer_step != step else None
+        self.semi.begin(step)
+        return None
 
     def heal(self, state: dict) -> None:
         """torchft's load_state_dict: a live peer's model and optimizer state (not its data
@@ -166,7 +202,7 @@ class ReplicaGroupStrategy(GridStrategy):
             optimizer.load_state_dict(saved)
         self.load_snapshot_meta(state.get("meta", {}))
         self.attention_choice = self.attention_choice.replace("the snapshot's run", "the peer")
-        self.healed = True
+        self.healed, self.peer_step = True, state.get("step", 0)
 
     def peer_state(self) -> dict:
         """torchft's state_dict: what a healing peer copies from this group."""
@@ -174,11 +210,15 @@ class ReplicaGroupStrategy(GridStrategy):
             "model": self.model.state_dict(),
             "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
             "meta": self.snapshot_meta(),  # the loss scale, attention's precision
+            "step": self.semi.step if self.semi else self.manager.current_step(),
         }
 
     def reduce_gradients(self) -> bool:
         """The gradients averaged over the groups of this step's quorum (one flat all-reduce);
-        whether this group commits the step (should_commit: its ranks saw no error)."""
+        whether this group commits the step (should_commit: its ranks saw no error). Under
+        local_sgd and diloco, nothing: the group steps alone, and meets after its step."""
+        if self.semi is not None:
+            return True
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         flat = torch.cat([g.flatten() for g in grads])  # (all gradient elements,)
         self.manager.allreduce(flat).wait()  # the mean over the groups that are there
@@ -194,6 +234,11 @@ class ReplicaGroupStrategy(GridStrategy):
                 optimizer.zero_grad(set_to_none=True)
         return committed
 
+    def step_record(self, record: dict) -> str:
+        """The bytes handed to the all-reduces between groups so far (the slow links' share)."""
+        record["sent_bytes"] = self.sent_bytes
+        return ""
+
     def evaluation_share(self, replica: int, replicas: int) -> tuple[int, int]:
         """Every group evaluates all the validation windows: the groups' losses agree, and one
         group alone still reports the job's."""
@@ -202,4 +247,5 @@ class ReplicaGroupStrategy(GridStrategy):
     def describe(self) -> tuple[str, str]:
         cfg = self.cfg
         mode = f"torchft replica group {cfg.group} of {cfg.groups} (heals from a live peer)"
+        mode += f", {self.semi.words()}" if self.semi else ""
         return mode + self.checkpointing_words(), self.precision()
