@@ -39,6 +39,7 @@ from char_dataset import CharDataset, DataConfig, DatasetError
 from data.fetch_shakespeare import FetchError, ensure_tinyshakespeare
 from mingpt_ddp.config import schema as config
 from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.export.weights import initial_state
 from mingpt_ddp.launch import (
     JobFailed,
     give_sweep_job_its_own_directory,
@@ -190,8 +191,11 @@ def build_trainer(job, ctx: DistContext, store: SnapshotStore) -> Trainer:
     gpt_cfg.vocab_size, gpt_cfg.block_size = dataset.vocab_size, data_cfg.block_size
     torch.manual_seed(tcfg.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's)
     run_config = {name: config.to_dict(getattr(job, name)) for name in config.sections()}
+    model = GPT(gpt_cfg)
+    if tcfg.init_from:  # fine-tuning: these weights, unless a snapshot of this run is resumed
+        model.load_state_dict(initial_state(tcfg.init_from, gpt_cfg, dataset.tokenizer.chars))
     trainer = Trainer(
-        GPT(gpt_cfg),
+        model,
         dataset,
         tcfg,
         job.optimizer_config,

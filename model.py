@@ -26,7 +26,11 @@ from mingpt_ddp.moe import MoE
 # (mingpt_ddp/config/schema.py), e.g. python main.py model=gpt-mini. Most are minGPT's; gpt-micro is
 # the default (nanoGPT's CPU recipe), baby-gpt nanoGPT's shakespeare_char GPU model, gpt2 the 124M
 # GPT-2 small.
-ACTIVATIONS = {"gelu": F.gelu, "relu2": lambda x: F.relu(x).square()}
+ACTIVATIONS = {
+    "gelu": F.gelu,  # exact: x * Phi(x)
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's (transformers' gelu_new)
+    "relu2": lambda x: F.relu(x).square(),
+}
 
 
 class Rotary:

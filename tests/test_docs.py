@@ -161,8 +161,8 @@ def without_agent(command: list[str]) -> list[str]:
 # context parallelism, experts, torchft, the bug zoo, Horovod) gets about 30 lines each here and
 # its depth in docs/, so the whole stays under this many lines in either language (900 before
 # the experts' subsection, 920 before the traced pictures in sections 4, 5 and 9, 930 before
-# the planner's paragraph).
-README_LINES = 937
+# the planner's paragraph, 937 before sharing the model in section 7).
+README_LINES = 952
 
 
 def test_the_readmes_stay_within_their_line_budget():
@@ -268,7 +268,9 @@ def sample_output_differences(readme: Path, output: str) -> set:
     shown = {signature(line) for line in SAMPLE.search(readme.read_text())[1].splitlines()}
     shown.discard(("...",))
     printed = {signature(line) for line in output.splitlines() if " | " in line}
-    return shown ^ printed
+    # A straggler line reports this machine at that moment (a rank slowed by other work on a
+    # shared CPU), not the program: shown or not, it is no difference.
+    return {shape for shape in shown ^ printed if shape[0] != "straggler"}
 
 
 @pytest.mark.slow

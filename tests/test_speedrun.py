@@ -102,7 +102,9 @@ def test_softcap_bounds_the_logits_and_relu2_squares_the_positive_part():
     assert free(idx)[0].abs().max() > 5 and capped(idx)[0].abs().max() <= 0.5
     relu2 = tiny(activation="relu2").blocks[0].mlp.activation
     assert torch.equal(relu2(torch.tensor([-2.0, 0.0, 3.0])), torch.tensor([0.0, 0.0, 9.0]))
-    with pytest.raises(ConfigError, match="gpt_config.activation must be one of gelu, relu2"):
+    with pytest.raises(
+        ConfigError, match="gpt_config.activation must be one of gelu, gelu_tanh, relu2"
+    ):
         GPTConfig(activation="swish")
 
 

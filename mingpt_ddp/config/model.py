@@ -8,7 +8,7 @@ from typing import ClassVar
 
 from mingpt_ddp.errors import ConfigError
 
-ACTIVATION_NAMES = ("gelu", "relu2")  # model.ACTIVATIONS implements each
+ACTIVATION_NAMES = ("gelu", "gelu_tanh", "relu2")  # model.ACTIVATIONS implements each
 
 MODEL_SIZES: dict[str, tuple[int, int, int]] = {
     "gpt-micro": (4, 4, 128),
@@ -54,8 +54,9 @@ class GPTConfig:
     """RMS-normalise each head's queries and keys before attention (keeps attention logits
     bounded)."""
     activation: str = "gelu"
-    """The MLP's nonlinearity: gelu, or relu2 (ReLU squared, max(0, x)^2: Primer's and the
-    speedrun's)."""
+    """The MLP's nonlinearity: gelu (exact, erf), gelu_tanh (GPT-2's tanh approximation: what
+    imported GPT-2 weights were trained with; 4.7e-4 from gelu at most), or relu2 (ReLU squared,
+    max(0, x)^2: Primer's and the speedrun's)."""
     zero_init_proj: bool = False
     """Start the projections that write into the residual stream (and an untied head) at zero, so
     each block starts as the identity."""

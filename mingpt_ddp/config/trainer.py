@@ -114,9 +114,14 @@ class TrainerConfig:
     """When no step completes for this long, every rank writes its stacks and last collectives to
     <run_dir>/stall/ and rank 0 names the rank that is behind (mingpt_ddp/runtime/stall.py); keep
     it below collective_timeout_s, which ends the attempt. 0: off."""
-    straggler_factor: float = 1.5
+    init_from: str = ""
+    """Start from these weights instead of random ones (fine-tuning): a Hugging Face GPT-2 folder
+    (python -m mingpt_ddp.export writes one), a .pt file, or another run's snapshots. Its
+    vocabulary and shape must be this run's. A snapshot of this run, once there is one, is resumed
+    instead. Empty: random initial weights."""
+    straggler_factor: float = 2.0
     """On log steps, a rank whose own work (data and forward) exceeds the others' median by this
-    factor, and by a tenth of the step, is named in one line (mingpt_ddp/runtime/straggler.py).
+    factor, and by a fifth of the step, is named in one line (mingpt_ddp/runtime/straggler.py).
     0: off."""
     profile_steps: int = 0
     """Trace this many steps (after 2 of warm-up) with torch.profiler: every rank writes a Chrome
