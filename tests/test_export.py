@@ -39,13 +39,18 @@ def test_an_exported_snapshot_has_the_same_logits_in_transformers_and_generates(
     from transformers import AutoTokenizer, GPT2LMHeadModel
     from transformers import pipeline as hf_pipeline
 
+    from mingpt_ddp.export.__main__ import main as export_in_process
     from sample import load_model
 
-    args = tiny_overrides(shakespeare, tmp_path, max_steps=4, save_every=4) + layout
+    args = tiny_overrides(shakespeare, tmp_path, max_steps=2, save_every=2) + layout
     assert run_main(args, nproc=nproc).returncode == 0
-    result = export("--snapshot", str(tmp_path / "snapshots"), "--out", str(tmp_path / "hf"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.splitlines()[-1].startswith("export | step 4 |"), result.stdout
+    command = ["--snapshot", str(tmp_path / "snapshots"), "--out", str(tmp_path / "hf")]
+    if nproc == 1:  # the command as a user runs it; the other layouts in this process (faster)
+        result = export(*command)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.stdout.splitlines()[-1].startswith("export | step 2 |"), result.stdout
+    else:
+        assert export_in_process(command) == 0
     ours, chars, _ = load_model(str(tmp_path / "snapshots"), "cpu")
     theirs = GPT2LMHeadModel.from_pretrained(tmp_path / "hf", local_files_only=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
@@ -55,6 +60,8 @@ def test_an_exported_snapshot_has_the_same_logits_in_transformers_and_generates(
     with torch.no_grad():
         difference = (ours(ids)[0] - theirs(ids).logits).abs().max().item()
     assert difference <= 1e-5, difference
+    if nproc > 1:
+        return  # generation once is enough: it depends on the folder, not on the layout
     generate = hf_pipeline("text-generation", model=theirs, tokenizer=tokenizer, device="cpu")
     out = generate("ROMEO:", max_new_tokens=20, do_sample=False)[0]["generated_text"]
     assert out.startswith("ROMEO:") and len(out) == len("ROMEO:") + 20
@@ -90,12 +97,13 @@ def test_training_starts_from_a_gpt2_saved_by_transformers(shakespeare, tmp_path
     records = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     logged = json.loads(records[0])
     assert logged["step"] == 1 and math.isclose(logged["train_loss"], expected.item(), abs_tol=2e-6)
-    assert export("--from-hf", str(folder), "--out", str(tmp_path / "m.pt")).returncode == 0
-    sampled = subprocess.run(
-        [sys.executable, "sample.py", "--snapshot", str(tmp_path / "m.pt"), "--chars", "20"],
-        capture_output=True, text=True, cwd=REPO, timeout=120,
-    )  # fmt: skip
-    assert sampled.returncode == 0 and len(sampled.stdout) > 20, sampled.stderr[-2000:]
+    from mingpt_ddp.export.__main__ import main as export_in_process
+    from sample import load_model
+
+    assert export_in_process(["--from-hf", str(folder), "--out", str(tmp_path / "m.pt")]) == 0
+    ours, chars, step = load_model(str(tmp_path / "m.pt"), "cpu")  # what sample.py reads
+    with torch.no_grad():
+        assert (ours(windows[:, :-1])[0] - logits).abs().max() <= 1e-5 and step == 0
 
 
 @pytest.mark.parametrize(

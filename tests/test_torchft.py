@@ -241,10 +241,11 @@ def test_muon_is_refused_under_semi_synchronous_groups(shakespeare, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sync", ["local_sgd", "diloco"])
-def test_semi_synchronous_groups_meet_every_h_steps_and_end_equal(shakespeare, tmp_path, sync):
-    """Two groups meeting every 5 steps for 20: each hands the model's size to the all-reduce
-    once a meeting (4 meetings), and after the last meeting both hold the same model."""
+def test_semi_synchronous_groups_meet_every_h_steps_and_end_equal(shakespeare, tmp_path):
+    """Two groups of local SGD meeting every 5 steps for 20: each hands the model's size to the
+    all-reduce once a meeting (4 meetings), and after the last meeting both hold the same model.
+    (DiLoCo: the resumed run below.)"""
+    sync = "local_sgd"
     pytest.importorskip("torchft")
     from benchmarks.replica_jobs import Lighthouse, group, overrides
 
@@ -268,3 +269,36 @@ def test_semi_synchronous_groups_meet_every_h_steps_and_end_equal(shakespeare, t
         [r["val_loss"] for r in group_records if "val_loss" in r][-1] for group_records in records
     ]
     assert finals[0] == finals[1] and math.isfinite(finals[0]), finals
+
+
+@pytest.mark.slow
+def test_semi_synchronous_groups_resumed_mid_interval_meet_on_the_same_steps(shakespeare, tmp_path):
+    """DiLoCo every 5 steps, both groups stopped at step 12 (two steps into an interval) and
+    resumed to 20 from their snapshots: they meet at 15 and 20 (not 17), so each hands the
+    model's size over twice and both end with the same model."""
+    pytest.importorskip("torchft")
+    from benchmarks.replica_jobs import Lighthouse, group, overrides
+
+    extra = [
+        "torchft_config.sync=diloco",
+        "torchft_config.sync_every=5",
+        "trainer_config.log_every=1",
+    ]
+    runs = [tmp_path / f"group{g}" for g in (0, 1)]
+    for steps in (12, 20):
+        size = dict(steps=steps, save_every=100, batch=4)
+        with Lighthouse(min_groups=2) as lighthouse:
+            jobs = [
+                group(lighthouse, g, overrides(shakespeare, runs[g], size) + extra) for g in (0, 1)
+            ]
+            assert [job.wait(timeout=300) for job in jobs] == [0, 0], jobs[1].text()[-3000:]
+    assert all("resume | step 12 |" in job.text() for job in jobs)
+    records = [MetricsLog.read(str(run / "metrics.jsonl")) for run in runs]
+    meeting = [r["sent_bytes"] for r in records[0] if r.get("step") == 5][0]  # the first run's
+    for group_records in records:
+        last = [r for r in group_records if "train_loss" in r][-1]
+        assert last["step"] == 20 and last["sent_bytes"] == 2 * meeting, last
+    finals = [
+        [r["val_loss"] for r in group_records if "val_loss" in r][-1] for group_records in records
+    ]
+    assert finals[0] == finals[1], finals

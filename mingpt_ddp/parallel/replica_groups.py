@@ -204,6 +204,15 @@ class ReplicaGroupStrategy(GridStrategy):
         self.attention_choice = self.attention_choice.replace("the snapshot's run", "the peer")
         self.healed, self.peer_step = True, state.get("step", 0)
 
+    def snapshot_meta(self) -> dict:
+        """The layout's meta, and DiLoCo's last meeting (semi_sync.py): a snapshot's, a peer's."""
+        return {**super().snapshot_meta(), "semi_sync": self.semi.state_dict() if self.semi else {}}
+
+    def load_snapshot_meta(self, meta: dict) -> None:
+        super().load_snapshot_meta(meta)
+        if self.semi is not None:
+            self.semi.load_state_dict(meta.get("semi_sync", {}))
+
     def peer_state(self) -> dict:
         """torchft's state_dict: what a healing peer copies from this group."""
         return {

@@ -23,7 +23,9 @@ meeting and, at the H-th, start the quorum, all-reduce and commit. Three things 
   that fails to commit costs every group its interval under DiLoCo (it returns to the last
   meeting's weights) and nothing under local SGD (each keeps its own weights until the next).
 
-The hooks sit on one optimizer: Muon's two (Muon and AdamW) are refused.
+A DiLoCo group's snapshot keeps the last meeting's weights and the outer momentum besides its own
+weights (state_dict), so that groups resumed mid-interval still measure their change from one
+common point. The hooks sit on one optimizer: Muon's two (Muon and AdamW) are refused.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ class SemiSync:
 
     def __init__(self, cfg: TorchftConfig, manager, model: nn.Module, optimizer):
         self.cfg, self.manager, self.model, self.optimizer = cfg, manager, model, optimizer
-        self.every, self.algorithm = cfg.sync_every, None
+        self.every, self.algorithm, self.outer = cfg.sync_every, None, None
         self.step = 0  # the optimizer steps this group has taken (its Trainer's step)
+        self.pending: dict = {}  # DiLoCo's state from a snapshot, applied once DiLoCo is built
 
     def begin(self, step: int) -> None:
         """Before a step: on the first, start torchft's hooks at this step's place in its interval
@@ -68,19 +71,40 @@ class SemiSync:
         if self.cfg.sync == "local_sgd":
             self.algorithm = LocalSGD(self.manager, self.model, self.optimizer, self.every)
         else:
-            outer = torch.optim.SGD(
+            self.outer = torch.optim.SGD(
                 self.model.parameters(),
                 lr=self.cfg.outer_lr,
                 momentum=self.cfg.outer_momentum,
                 nesterov=True,
             )
             # The weights of the last meeting are kept in host memory (torchft's default).
-            args = (self.manager, [self.model], self.optimizer, outer, self.every)
+            args = (self.manager, [self.model], self.optimizer, self.outer, self.every)
             self.algorithm = DiLoCo(*args)
         self.algorithm.__enter__()  # its hooks on the optimizer, for the rest of the run
         # torchft 0.2.0 counts the steps since the last meeting in _local_step, from 0 when it is
         # built; a group resumed mid-interval starts where the others are, or it meets off-beat.
         self.algorithm._local_step = step % self.every
+        self.load_state_dict(self.pending)
+
+    def state_dict(self) -> dict:
+        """What a resumed group needs besides its weights: under DiLoCo the last meeting's weights
+        (the groups' common starting point, from which each measures its change: without them
+        groups resumed mid-interval would each apply the average change to their own weights,
+        and drift apart for good) and the outer momentum; nothing under local SGD."""
+        if self.outer is None:
+            return dict(self.pending)  # not built yet: what the snapshot gave, unchanged
+        fragment = self.algorithm._fragments[0]  # torchft 0.2.0: one fragment, the whole model
+        original = {name: t.clone() for name, t in fragment.original_parameters.items()}
+        return {"original": original, "outer": self.outer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pending = dict(state or {})
+        if self.outer is None or not self.pending:
+            return  # applied when DiLoCo is built (_start), after the snapshot's weights
+        fragment = self.algorithm._fragments[0]
+        for name, tensor in self.pending.pop("original").items():
+            fragment.original_parameters[name].copy_(tensor)
+        self.outer.load_state_dict(self.pending.pop("outer"))
 
     def _uncommitted(self) -> str:
         if self.cfg.sync == "diloco":
