@@ -47,6 +47,7 @@ def row(layout: dict, ranks: list[dict], one: dict) -> dict:
         "activation_bytes_per_rank": max(r["saved"] for r in ranks),
         "activation_bytes_formula": activation_bytes(layout, one["saved"]),
         "tracked_peak_by_category": ranks[0]["tracked"],  # rank 0's, as the planner predicts
+        "live_peak": ranks[0].get("live"),  # rank 0's bytes alive at the peak (probes.LivePeak)
     }
 
 

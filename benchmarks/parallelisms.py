@@ -56,7 +56,7 @@ from benchmarks.formulas import (  # noqa: E402
     table_bubble,
 )
 from benchmarks.layout_rows import DEGREES, label, row, table  # noqa: E402
-from benchmarks.probes import SavedBytes, StageClock, tracked_peak  # noqa: E402
+from benchmarks.probes import SavedBytes, StageClock, live_peak, tracked_peak  # noqa: E402
 
 VOCAB = 65
 # The model, the data-parallel layouts' global batch (G windows of T tokens), a pipeline
@@ -184,7 +184,7 @@ def measure(layout: dict, size: dict) -> dict:
     clip = strategy.args.optim.grad_clip
     params = [p for opt in strategy.optimizers for g in opt.param_groups for p in g["params"]]
     losses, idle, sent, ops, saved = [], [], 0.0, {}, SavedBytes(params)
-    routing, received, routed, tracked = 0.0, 0, [], {}
+    routing, received, routed, tracked, live = 0.0, 0, [], {}, None
     pipeline = strategy.pipeline
     if pipeline is not None:  # the schedule's step alone: the optimizer's step is no bubble
         pipeline.schedule.step = StageClock.common_window(pipeline.schedule.step)
@@ -193,6 +193,10 @@ def measure(layout: dict, size: dict) -> dict:
         StageClock.busy = StageClock.wall = 0.0
         if step == COUNTED - 1 and pipeline is None:  # a warm step, under the planner's trackers
             (loss, _), tracked = tracked_peak(strategy, train_step, iter(work), 1, clip)
+        # probes.live_peak: a pipeline's warm step (no tracker runs its schedule); the other
+        # layouts' last step, to hold it against their tracked peak
+        elif step == COUNTED - 1 or (step == layout["steps"] - 1 > COUNTED and pipeline is None):
+            (loss, _), live = live_peak(strategy, train_step, iter(work), 1, clip)
         elif step == COUNTED:
             with CountBytes() as counter, saved.hooks():
                 loss, _ = train_step(strategy, iter(work), 1, clip)
@@ -221,6 +225,7 @@ def measure(layout: dict, size: dict) -> dict:
         "optimizer": strategy.optimizer_state_bytes(),
         "saved": saved.peak,
         "tracked": tracked,  # peak by category (probes.tracked_peak), at step COUNTED - 1
+        "live": live,  # peak bytes (probes.live_peak): a pipeline's at COUNTED - 1, else the last
     }
 
 

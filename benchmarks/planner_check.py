@@ -10,7 +10,8 @@ bytes CountBytes counted on rank 0; rank 0's peak memory by category as the plan
 (traced under the fake process group where one process can run the layout, estimated from a
 traced block elsewhere: mingpt_ddp/planner/memory.py) against the peak the same trackers
 recorded in the real gloo run (probes.tracked_peak; DDP's bucket copy, which no tracker sees,
-left out of both). Pipelines have no tracked peak (probes.tracked_peak says why): bytes only.
+left out of both). A pipeline's schedule does not run under the trackers (probes.tracked_peak
+says why): its peak is probes.LivePeak's, the bytes alive at once ("measured_by": "live bytes").
 """
 
 from __future__ import annotations
@@ -60,16 +61,18 @@ def check(row: dict, model: Model) -> dict:
         "sent_bytes_predicted": predicted,
         "bytes_equal": abs(predicted - row["sent_bytes_per_rank"][0]) < 0.5,
     }
-    measured = row.get("tracked_peak_by_category") or {}
-    if not measured:
+    measured, live = row.get("tracked_peak_by_category") or {}, row.get("live_peak")
+    if not measured and not live:
         return found | {"memory": None}
     memory, source = predicted_memory(model, layout)
-    peak, guess = sum(measured.values()), sum(memory.values())
+    peak, guess = sum(measured.values()) if measured else live, sum(memory.values())
     return found | {
         "memory_from": source,
+        "measured_by": "trackers" if measured else "live bytes",  # probes.tracked_peak, LivePeak
         "peak_measured": peak,
         "peak_predicted": round(guess),
         "peak_ratio": round(guess / peak, 3),
+        "live_peak": live,  # beside a tracked peak: the two measurements held together
         "measured_by_category": measured,
         "predicted_by_category": {k: round(v) for k, v in memory.items()},
     }

@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 class SavedBytes:
@@ -102,3 +104,50 @@ def tracked_peak(strategy, step, *args) -> tuple:
     with tracker:
         result = step(strategy, *args)
     return result, fold(tracker.get_tracker_snapshot("peak"))
+
+
+class LivePeak(TorchDispatchMode):
+    """The peak of the bytes alive during a step, counted from the start's: the storages that
+    the step's ops create (a dispatch mode sees every op's outputs; weak references see each
+    storage freed), above what was alive before it. For a pipeline's schedule, where the memory
+    trackers do not run (tracked_peak says why): the same quantity, without their categories."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self.ref, self.live, self.now, self.peak = StorageWeakRef, {}, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            # Plain tensors only: a DTensor's storage is not its shard's (the shard's own ops,
+            # dispatched below it, are seen as plain tensors)
+            if type(t) in (torch.Tensor, torch.nn.Parameter) and not t.is_meta:
+                self._add(t.untyped_storage())
+        return out
+
+    def _add(self, storage) -> None:
+        key = storage._cdata
+        if key in self.live and not self.live[key][0].expired():
+            return
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        self.live[key] = (self.ref(storage), storage.nbytes())
+        self.now = sum(n for _, n in self.live.values())
+        self.peak = max(self.peak, self.now)
+
+
+def live_peak(strategy, step, *args) -> tuple:
+    """step(strategy, *args) under LivePeak: its result, and the rank's peak bytes: what was
+    alive at the start (parameters, gradients, optimizer state, buffers) plus the step's peak."""
+    from mingpt_ddp.optim import state_tensors
+    from mingpt_ddp.parallel.plan import local_bytes
+
+    modules = strategy.modules
+    params = [p for m in modules for p in m.parameters()]
+    start = local_bytes(params) + local_bytes(p.grad for p in params)
+    start += local_bytes(b for m in modules for b in m.buffers())
+    start += local_bytes(state_tensors(strategy.optimizers))
+    with LivePeak() as counter:
+        result = step(strategy, *args)
+    return result, start + counter.peak

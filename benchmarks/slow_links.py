@@ -43,6 +43,9 @@ SIZES = {
                  slow_steps=100),
 }  # fmt: skip
 TIMEOUT_S = 5.0  # torchft_config.timeout_s in the partition: a cut longer than this is a failure
+# A restart during the cut fails too (its process group waits TIMEOUT_S for the other node) and
+# spends one of torchrun's restarts: 3 ran out in an 8 s cut once. Budget them for the outage.
+RESTARTS = 10
 RATE_MBIT = 50  # the slow link: a model's gradients (3.2 MB) take about half a second
 
 
@@ -143,13 +146,15 @@ def partition_row(data, work: Path, size: dict, cut_s: float) -> dict:
     )
 
 
-def restart_partition_row(data, work: Path, size: dict, cut_s: float) -> dict:
+def restart_partition_row(data, work: Path, size: dict, cut_s: float, timeout_s: float) -> dict:
     """One DDP job of 2 nodes (a rank each, c10d rendezvous on host A), the link cut for cut_s
-    at step cut_at: the all-reduce in flight fails after collective_timeout_s, torchrun restarts
-    both workers, and they resume from the last snapshot once the rendezvous reaches A again."""
+    at step cut_at. With collective_timeout_s above the cut the all-reduce in flight waits and
+    goes on (TCP carries on once the link is back); below it, it fails, torchrun restarts both
+    workers and they resume the last snapshot, if the agents meet again before their restarts
+    run out (docs/fault-tolerance.md: 3 of 5 such runs here did not)."""
     steps, port = size["partition_steps"], free_port()
     flags = dict(steps=steps, save_every=size["save_every"], batch=size["batch"])
-    args = overrides(data, work, flags) + [f"trainer_config.collective_timeout_s={TIMEOUT_S}"]
+    args = overrides(data, work, flags) + [f"trainer_config.collective_timeout_s={timeout_s}"]
     with Hosts() as hosts:
         nodes = [Stamped(hosts.command(n, node_command(hosts, n, port, args)),
                          {"GLOO_SOCKET_IFNAME": hosts.nics[n], "OMP_NUM_THREADS": "1"})
@@ -167,13 +172,13 @@ def restart_partition_row(data, work: Path, size: dict, cut_s: float) -> dict:
     return (
         {
             "mode": "partition",
-            "how": "restart",
+            "how": "ddp",
             "cut_s": cut_s,
-            "timeout_s": TIMEOUT_S,
+            "timeout_s": timeout_s,
             "healed": False,
             "resumed": bool(resumed) and "restart 1 |" in text,
             "restarts": text.count("restart | torchrun restarted"),
-            "steps_lost": reached - int(resumed[-1]) if resumed else None,
+            "steps_lost": reached - int(resumed[-1]) if resumed else 0 if codes == [0, 0] else None,
             "back_s_after_restore": round(back - restored, 1) if back else None,
             "finished": codes == [0, 0],
             "final_steps": [max(s for _, s in nodes[0].steps())],
@@ -189,7 +194,7 @@ def node_command(hosts: Hosts, n: int, port: int, args: list[str]) -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
         "--rdzv_backend=c10d", f"--rdzv_endpoint={hosts.addresses[0]}:{port}",
-        "--rdzv_id=partition", f"--rdzv_conf=is_host={int(n == 0)}", "--max-restarts=3",
+        "--rdzv_id=partition", f"--rdzv_conf=is_host={int(n == 0)}", f"--max-restarts={RESTARTS}",
         "--monitor-interval=0.5", f"--local-addr={hosts.addresses[n]}", MAIN, *args,
     ]  # fmt: skip
 
@@ -226,8 +231,9 @@ def chart(rows: list[dict], path: str) -> None:
         for size, (name, points) in zip((5, 2), r["timeline"].items()):  # group 1 over group 0
             ax.plot(*zip(*points), ".", ms=size, label=name)
         ax.axvspan(r["cut_from_s"], r["cut_to_s"], color="tab:red", alpha=0.15, label="link down")
-        how = "torchft groups" if r["how"] == "torchft" else "one DDP job, torchrun restart"
+        how = "torchft groups" if r["how"] == "torchft" else "one DDP job of 2 nodes"
         outcome = "healed" if r["healed"] else f"resumed, {r['steps_lost']} steps trained again"
+        outcome = outcome if r["resumed"] or r["healed"] else "paused, nothing trained again"
         outcome = outcome if r["finished"] else "did not finish"
         ax.set_title(
             f"{how}: link down {r['cut_s']:g} s (timeouts {r['timeout_s']:g} s): {outcome}"
@@ -283,7 +289,9 @@ def rows_for(modes: list[str], data: str, work: Path, quick: bool) -> list[dict]
             for cut_s in size["cut_s"]:
                 rows.append(partition_row(data, work / f"partition{cut_s:g}", size, cut_s))
             short = size["cut_s"][0]
-            rows.append(restart_partition_row(data, work / "restart", size, short))
+            # The DDP job with its timeout above the cut: with it below, its restarts across the
+            # partition ran out in 3 of 5 runs here (docs/fault-tolerance.md)
+            rows.append(restart_partition_row(data, work / "restart", size, short, 3 * short))
         elif mode == "slow_link":
             rows += slow_link_rows(data, work, size)
         for row in rows[printed:]:

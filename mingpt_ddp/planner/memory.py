@@ -213,7 +213,10 @@ def estimate(model: Model, layout: Layout, traced: dict) -> dict:
     if layout.ac == "full":  # only each block's input kept (fp32, the residual stream)
         micro = layout.batch // (layout.microbatches if layout.pp > 1 else 1)
         act = micro * (T // layout.cp) * C * 4
-    in_flight = min(layout.pp, layout.microbatches) if layout.pp > 1 else 1  # 1F1B's stage 0
+    # The microbatches whose activations stage 0 holds at once: all of them under GPipe (every
+    # forward before any backward), at most pp under 1F1B.
+    in_flight = min(layout.pp, layout.microbatches) if layout.pp > 1 else 1
+    in_flight = layout.microbatches if layout.pp > 1 and layout.schedule == "gpipe" else in_flight
     ddp = layout.parallel != "fsdp" and layout.gpus > 1
     return {
         "parameters": held + gathered,
