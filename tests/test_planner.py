@@ -95,5 +95,7 @@ def test_the_planner_predicts_the_bytes_counted_and_the_peaks_tracked_in_real_ru
     rows = {r["layout"]: r for r in json.loads(out.read_text())["rows"]}
     assert all(r["bytes_equal"] for r in rows.values()), rows  # from the shapes alone
     ratios = {k: r["peak_ratio"] for k, r in rows.items() if "peak_ratio" in r}
-    assert set(ratios) == {"dp2 ddp", "dp2 fsdp", "tp2 sp"}  # a pipeline: bytes only
+    assert set(ratios) == set(rows)  # every layout's peak measured
+    # The trackers where they run; a pipeline's schedule by the bytes alive (probes.LivePeak)
+    assert [k for k, r in rows.items() if r["measured_by"] == "live bytes"] == ["pp2 1f1b m=4"]
     assert all(0.85 <= x <= 1.15 for x in ratios.values()), ratios
