@@ -13,12 +13,12 @@ import argparse
 import sys
 from dataclasses import fields
 
-import fsspec
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from char_dataset import CharTokenizer
 from mingpt_ddp.config.trainer import TrainerConfig
+from mingpt_ddp.export.weights import read_snapshot
 from mingpt_ddp.snapshots.store import SnapshotError, SnapshotStore
 from model import GPT, GPTConfig
 
@@ -26,11 +26,8 @@ from model import GPT, GPTConfig
 def load_model(snapshot: str, device: str) -> tuple[GPT, CharTokenizer, int]:
     """The model and tokenizer of the newest usable snapshot under a directory/URL (any kind:
     single-file or sharded, from any world size), or of one .pt file; and its step."""
-    if snapshot.endswith(
-        ".pt"
-    ):  # a single file, e.g. from `python -m mingpt_ddp.snapshots consolidate`
-        with fsspec.open(snapshot, "rb") as f:
-            state = torch.load(f, map_location="cpu", weights_only=True)
+    if snapshot.endswith(".pt"):  # one file: consolidate's, or the export's --from-hf
+        state = read_snapshot(snapshot)
         model = _model_for(state)
     else:
         with SnapshotStore(snapshot).open_latest(map_location="cpu") as opened:

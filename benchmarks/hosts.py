@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 
 ADDRESSES = ("10.77.0.1", "10.77.0.2")
 
@@ -69,6 +70,14 @@ class Hosts:
     def link(self, up: bool) -> None:
         """Cut the link between the hosts (a partition), or restore it."""
         ip("-n", self.names[0], "link", "set", self.nics[0], "up" if up else "down")
+
+    def partition(self, seconds: float) -> float:
+        """The link down for `seconds`, then up: when it came back (time.monotonic). The sleep is
+        the outage's length, the fault itself, not a wait standing in for an event."""
+        self.link(up=False)
+        time.sleep(seconds)
+        self.link(up=True)
+        return time.monotonic()
 
     def rate(self, mbit: float) -> None:
         """Limit each direction of the link to mbit megabits a second (tc's token bucket)."""

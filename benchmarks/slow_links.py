@@ -115,10 +115,7 @@ def partition_row(data, work: Path, size: dict, cut_s: float) -> dict:
             for g in (0, 1)
         ]
         cut = wait_for_step(jobs[0], size["cut_at"])
-        hosts.link(up=False)
-        time.sleep(cut_s)  # the partition's length: the fault itself, not a wait for it
-        hosts.link(up=True)
-        restored = time.monotonic()
+        restored = hosts.partition(cut_s)
         codes = [job.wait(timeout=900) for job in jobs]
     survivor = [t for t, _ in jobs[0].steps()]
     late = jobs[1].text().split("restart 1 |", 1)[-1]
@@ -161,10 +158,7 @@ def restart_partition_row(data, work: Path, size: dict, cut_s: float, timeout_s:
                  for n in (0, 1)]  # fmt: skip
         cut = wait_for_step(nodes[0], size["cut_at"])
         reached = max(s for _, s in nodes[0].steps())
-        hosts.link(up=False)
-        time.sleep(cut_s)  # the partition's length: the fault itself, not a wait for it
-        hosts.link(up=True)
-        restored = time.monotonic()
+        restored = hosts.partition(cut_s)
         codes = [node.wait(timeout=900) for node in nodes]
     text = nodes[0].text()
     resumed = re.findall(r"resume \| step (\d+) \|", text.split("restart 1 |", 1)[-1])
