@@ -64,6 +64,11 @@ def chosen(args, gpus: int) -> Layout:
     """The layout the degrees name; the data-parallel degree fills the rest of the GPUs."""
     tp, pp, cp = args.tp or 1, args.pp or 1, args.cp or 1
     m = args.microbatches or (2 * pp if pp > 1 else 1)
+    if pp > 1 and m < pp:  # torch's Schedule1F1B refuses it too
+        raise ConfigError(
+            f"--microbatches {m} is fewer than --pp {pp}: 1F1B needs a microbatch for every "
+            f"stage in flight, give --microbatches {pp} or more"
+        )
     fixed = tp * pp * cp * (args.dp_replicate or 1) * (args.dp_shard or 1)
     if gpus % fixed:
         raise ConfigError(f"the degrees multiply to {fixed}, which does not divide --gpus {gpus}")

@@ -13,7 +13,9 @@ Estimated (tensor, context and pipeline parallelism, which FakeTensorMode cannot
 DTensor's sharding propagation or the pipeline's sends): each category from the shapes, with the
 activations of one block measured by a trace of the same width and batch (a 1-block and a
 2-block model; their difference is a block's) and cut as each dimension cuts them (Korthikanti et
-al., 2205.05198, with attention's scores never stored: SDPA's fused kernels).
+al., 2205.05198, with attention's scores never stored: SDPA's fused kernels). A pipeline rank's
+activations, passing tensors and gradients are those of the peak moment of its schedule
+(schedule.py walks torch's action table).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.planner import schedule
 from mingpt_ddp.planner.shapes import Layout, Model
 from mingpt_ddp.runtime.distributed import ControlPlane
 
@@ -195,37 +198,45 @@ def estimate(model: Model, layout: Layout, traced: dict) -> dict:
     unit (a microbatch's windows, T / cp tokens) on one rank: "block", what one block keeps for
     backward; "rest", what the model keeps outside its blocks (embeddings' output, logits, loss);
     "temporaries", backward's passing tensors (the logits' gradient the largest)."""
-    from mingpt_ddp.planner.traffic import local_shapes, shards_of
+    from mingpt_ddp.planner.traffic import local_shapes, shards_of, wrapper
 
     C, V, T = model.n_embd, model.vocab, model.block
-    blocks = math.ceil(model.n_layer / layout.stages) * layout.stages // layout.pp
     block = sum(math.prod(s) for s in local_shapes(model.block_tensors(), layout.tp).values())
-    params = blocks * block + (V + T) * C + (2 * C if layout.pp == 1 else 0)
+    stages = schedule.stage_elements(model, layout, block) if layout.pp > 1 else {}
+    root = sum(math.prod(s) for s in model.root_tensors().values())
+    elements = sum(stages.values()) if stages else model.n_layer * block + root
     shards = shards_of(layout)
-    held = params / shards * 4
+    held = elements / shards * 4
     gathered = 0.0
-    if layout.parallel == "fsdp" and shards > 1:  # the compute copies FSDP gathers
-        item = 2 if layout.dtype == "bf16" else 4
-        gathered = ((V + T) * C + (2 if layout.pp == 1 else blocks) * block) * item
+    if layout.parallel == "fsdp" and shards > 1:  # the compute copies FSDP gathers: the root's
+        # and two blocks at a time; a pipeline stage's all, kept from its first backward to the
+        # step's end (torch's stage turns resharding after backward off until then)
+        gathered = (elements if stages else (V + T) * C + 2 * block) * _itemsize(layout)
     # A block's activations, cut by sequence parallelism's tp (every position split), or, by
     # tensor parallelism alone, only its insides (24 of Korthikanti's 34 units).
     act = traced["block"] * (1 / layout.tp if layout.sp else (10 + 24 / layout.tp) / 34)
     if layout.ac == "full":  # only each block's input kept (fp32, the residual stream)
         micro = layout.batch // (layout.microbatches if layout.pp > 1 else 1)
         act = micro * (T // layout.cp) * C * 4
-    # The microbatches whose activations stage 0 holds at once: all of them under GPipe (every
-    # forward before any backward), at most pp under 1F1B.
-    in_flight = min(layout.pp, layout.microbatches) if layout.pp > 1 else 1
-    in_flight = layout.microbatches if layout.pp > 1 and layout.schedule == "gpipe" else in_flight
-    ddp = layout.parallel != "fsdp" and layout.gpus > 1
-    return {
+    found = {
         "parameters": held + gathered,
         "gradients": held,
         "optimizer": 2 * held,
-        "activations": (blocks * act + traced["rest"]) * in_flight,
+        "activations": model.n_layer * act + traced["rest"],
         "temporaries": traced["temporaries"],
-        "buffers": held if ddp else 0.0,
+        # DDP's bucket copy of the gradients (no DDP without replicas)
+        "buffers": held if wrapper(layout) == "ddp" else 0.0,
     }
+    if stages:  # the schedule's peak moment; gradients whole there, FSDP's too: a stage
+        # accumulates them unsharded (fp32) until the step's last backward
+        grads = {s: n * 4 for s, n in stages.items()}
+        costs = schedule.stage_costs(model, layout, act, traced["rest"], grads)
+        found.update(schedule.walk(schedule.actions(layout), costs, traced["temporaries"]))
+    return found
+
+
+def _itemsize(layout: Layout) -> int:
+    return 2 if layout.dtype == "bf16" else 4
 
 
 def calibrate(model: Model, layout: Layout) -> dict[str, float]:
