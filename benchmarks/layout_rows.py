@@ -24,6 +24,7 @@ def row(layout: dict, ranks: list[dict], one: dict) -> dict:
         "load_imbalance": imbalance([r["received"] for r in ranks]) if layout.get("ep") else None,
         "routing_flips": flips(ranks, one) if layout.get("experts") else None,
         "sequence_parallel": bool(layout.get("sp")),
+        "activation_checkpointing": layout.get("ac", "none"),
         "global_batch": layout["G"],
         "steps": layout["steps"],
         "parallel": layout["parallel"],

@@ -15,19 +15,23 @@ from mingpt_ddp.planner.traffic import per_dimension
 from model import GPT, GPTConfig
 
 
-@pytest.mark.parametrize("name", ["gpt2", "gpt2-xl", "7b"])
-def test_the_planners_parameter_count_is_the_models(name):
-    shape = Model.named(name)
+@pytest.mark.parametrize("name,experts", [("gpt2", 0), ("gpt2-xl", 0), ("7b", 0), ("gpt2", 8)])
+def test_the_planners_parameter_count_is_the_models(name, experts):
+    shape = Model.named(name, n_experts=experts)
     config = GPTConfig(
         n_layer=shape.n_layer,
         n_head=shape.n_head,
         n_embd=shape.n_embd,
         vocab_size=shape.vocab,
         block_size=shape.block,
+        n_experts=experts,
     )
     with torch.device("meta"):  # shapes only: no memory for 6.65B parameters
         built = GPT(config)
     assert shape.params() == sum(p.numel() for p in built.parameters())
+    # the FLOPs count the parameters a token meets: top_k of the experts
+    attention = 12 * shape.n_layer * shape.block * shape.n_embd
+    assert shape.flops_per_token() - attention == 6 * built.active_params()  # wpe: no matmul
 
 
 def test_an_unknown_size_is_refused_naming_the_sizes():
@@ -52,6 +56,28 @@ def test_bytes_follow_the_grid_each_dimension_on_its_own():
     tp_dp = per_dimension(model, Layout(tp=2, dp_shard=2, batch=8, dtype="fp32"))
     assert tp_dp["tp"] == tp["tp"] / 2  # half the windows through the same blocks
     assert tp_dp["dp"] > 0 == tp["dp"]
+
+
+def test_expert_parallelism_sends_an_even_spread_of_rows_and_its_experts_leave_ddp():
+    model = Model(4, 2, 32, vocab=65, block=32, n_experts=4)
+    one, two = (per_dimension(model, Layout(2, ep=e, batch=8, dtype="fp32")) for e in (1, 2))
+    assert one["ep"] == 0 < one["routing"]  # without ep: no rows sent, the counts still summed
+    rows = 8 * 32 * 2 * 32 * 4 / 2  # tokens x top_k rows of C fp32, half of them to the other
+    assert two["ep"] == 4 * 4 * rows  # 4 blocks: dispatch + combine, forward + backward
+    experts = 4 * 2 * 4 * 32 * 64 * 4  # 4 blocks' two (E, C, H) matrices: DDP's no more
+    assert one["dp"] - two["dp"] == experts
+    ac = per_dimension(model, Layout(2, ep=2, batch=8, dtype="fp32", ac="full"))
+    assert ac["ep"] == 4 * 6 * rows  # a recomputed forward exchanges again
+
+
+def test_expert_flags_that_cannot_run_are_refused_in_one_line():
+    from mingpt_ddp.planner.__main__ import check_experts
+
+    dense = Model(4, 2, 32)
+    with pytest.raises(ConfigError, match="--ep 2 shares out experts and the model has none"):
+        check_experts(dense, Layout(dp_shard=2, ep=2))
+    with pytest.raises(ConfigError, match=r"--ep 4 must divide .* \(2\) and --experts \(8\)"):
+        check_experts(Model(4, 2, 32, n_experts=8), Layout(dp_shard=2, ep=4))
 
 
 def test_a_pipeline_ranks_peak_is_a_moment_of_its_schedule():
@@ -108,7 +134,8 @@ def test_degrees_that_do_not_divide_the_gpus_are_refused_in_one_line():
 
 @pytest.mark.slow
 def test_the_planner_predicts_the_bytes_counted_and_the_peaks_tracked_in_real_runs(tmp_path):
-    _, measured = parallelisms(tmp_path, "dp2 ddp,dp2 fsdp,tp2 sp,pp2 1f1b m=4,pp2 zbv m=4")
+    only = "dp2 ddp,dp2 fsdp,tp2 sp,pp2 1f1b m=4,pp2 zbv m=4,dp2 ddp x ep2 (4 experts)"
+    _, measured = parallelisms(tmp_path, only)
     out = tmp_path / "check.json"
     check = REPO / "benchmarks" / "planner_check.py"
     result = run_python([sys.executable, check, "--from", measured, "--out", out], timeout=240)
@@ -121,3 +148,6 @@ def test_the_planner_predicts_the_bytes_counted_and_the_peaks_tracked_in_real_ru
     live = [k for k, r in rows.items() if r["measured_by"] == "live bytes"]
     assert live == ["pp2 1f1b m=4", "pp2 zbv m=4"]
     assert all(0.85 <= x <= 1.15 for x in ratios.values()), ratios
+    # where the tokens went is data: the rows counted beside an even spread's, held apart
+    experts = rows["dp2 ddp x ep2 (4 experts)"]
+    assert 0.9 <= experts["routed_rows_ratio"] <= 1.1, experts

@@ -3,6 +3,7 @@
     python -m mingpt_ddp.planner --model gpt2 --gpus 8 --gpu-memory 80 --search --out plan.json
     python -m mingpt_ddp.planner --model gpt2-xl --gpus 8 --dp-shard 8 --ac full
     python -m mingpt_ddp.planner --model 7b --gpus 64 --tp 8 --dp-shard 8 --sp
+    python -m mingpt_ddp.planner --model gpt2 --experts 8 --gpus 8 --ep 8
 
 Per layout: rank 0's peak memory by category (traced for data-parallel layouts under torch's
 fake process group, estimated for the others: memory.py), the bytes each dimension sends per
@@ -32,6 +33,8 @@ def options() -> argparse.ArgumentParser:
     p.add_argument("--model", default="gpt2", help="a size of model.MODEL_SIZES, or 7b")
     for name in ("n-layer", "n-head", "n-embd", "vocab", "block"):
         p.add_argument(f"--{name}", type=int, default=0, help="override the size's shape")
+    p.add_argument("--experts", type=int, default=0, help="experts in each block's MLP (0: dense)")
+    p.add_argument("--top-k", type=int, default=2, help="the experts each token goes through")
     p.add_argument("--gpus", type=int, default=8)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--machine", choices=MACHINES, default="h100", help="the defaults below")
@@ -51,7 +54,7 @@ def options() -> argparse.ArgumentParser:
         "--global-batch", type=int, default=0, help="windows per step, all replicas (0: 4 a GPU)"
     )
     p.add_argument("--parallel", choices=("fsdp", "ddp"), default="fsdp")
-    for name in ("dp-replicate", "dp-shard", "tp", "pp", "cp", "microbatches"):
+    for name in ("dp-replicate", "dp-shard", "tp", "pp", "cp", "ep", "microbatches"):
         p.add_argument(f"--{name}", type=int, default=0, help="a degree (0: 1, or the rest)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
     p.add_argument("--search", action="store_true", help="every layout of --gpus, best first")
@@ -76,7 +79,7 @@ def chosen(args, gpus: int) -> Layout:
     shard = args.dp_shard or (rest if args.parallel == "fsdp" else 1)
     replicate = args.dp_replicate or (rest if args.parallel == "ddp" else 1)
     layout = Layout(replicate, shard, tp, pp, cp, args.sp, m, ac=args.ac, dtype=args.dtype)
-    layout = dataclasses.replace(layout, parallel=args.parallel)
+    layout = dataclasses.replace(layout, parallel=args.parallel, ep=args.ep or 1)
     if layout.gpus != gpus:
         raise ConfigError(f"the degrees make {layout.gpus} GPUs, not --gpus {gpus}")
     if (split := with_batch(layout, args.global_batch)) is None:
@@ -85,6 +88,30 @@ def chosen(args, gpus: int) -> Layout:
             f"{m} microbatches of whole windows: make it a multiple of {replicate * shard * m}"
         )
     return split
+
+
+def check_experts(model: Model, layout: Layout) -> None:
+    """Refuse an expert layout the project cannot run (parallel/expert.py: check_ep), in one
+    line naming the flag."""
+    dp = layout.dp_replicate * layout.dp_shard
+    if layout.ep > 1 and not model.n_experts:
+        raise ConfigError(
+            f"--ep {layout.ep} shares out experts and the model has none: give --experts (a "
+            f"multiple of {layout.ep}) or drop --ep"
+        )
+    if model.n_experts and not 1 <= model.top_k <= model.n_experts:
+        raise ConfigError(
+            f"--top-k {model.top_k} must be between 1 and --experts {model.n_experts}"
+        )
+    if dp % layout.ep or model.n_experts % layout.ep:
+        raise ConfigError(
+            f"--ep {layout.ep} must divide the data-parallel degree ({dp}) and --experts "
+            f"({model.n_experts}): its ranks are data-parallel ranks, each with an equal share"
+        )
+    if model.n_experts and layout.sp:
+        raise ConfigError(
+            "--sp is not built with --experts (a tp rank would route its shard only): drop --sp"
+        )
 
 
 def with_batch(layout: Layout, global_batch: int) -> Layout | None:
@@ -112,7 +139,7 @@ def traced(model: Model, layout: Layout, machine: Machine) -> dict:
 
 def plan(args) -> dict:
     shape = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "vocab", "block")}
-    model = Model.named(args.model, **shape)
+    model = Model.named(args.model, **shape, n_experts=args.experts, top_k=args.top_k)
     machine = machine_of(args)
     args.global_batch = args.global_batch or 4 * args.gpus
     base = Layout(ac=args.ac, dtype=args.dtype)
@@ -129,9 +156,10 @@ def plan(args) -> dict:
         candidates = [x for x in found if x is not None]
     else:
         candidates = [chosen(args, args.gpus)]
+        check_experts(model, candidates[0])
     best = lambda r: (not r["fits"], r["step_time_s"])  # noqa: E731
     rows = sorted((judge(model, x, machine, calibration) | {"_": x} for x in candidates), key=best)
-    traceables = [i for i, r in enumerate(rows) if traceable(r["_"])][: args.trace]
+    traceables = [i for i, r in enumerate(rows) if traceable(model, r["_"])][: args.trace]
     rows = [traced(model, r["_"], machine) if i in traceables else r for i, r in enumerate(rows)]
     rows = sorted(({k: v for k, v in r.items() if k != "_"} for r in rows), key=best)
     return {

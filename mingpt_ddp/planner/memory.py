@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from mingpt_ddp.errors import ConfigError
-from mingpt_ddp.planner import schedule
+from mingpt_ddp.planner import moe, schedule
 from mingpt_ddp.planner.shapes import Layout, Model
 from mingpt_ddp.runtime.distributed import ControlPlane
 
@@ -56,9 +56,10 @@ FOLD = {
 }
 
 
-def traceable(layout: Layout) -> bool:
-    """Whether one process can run the layout under the fake group and fake tensors."""
-    return layout.tp == layout.pp == layout.cp == 1
+def traceable(model: Model, layout: Layout) -> bool:
+    """Whether one process can run the layout under the fake group and fake tensors (a
+    mixture of experts cannot: its rows per expert are data, which fake tensors do not have)."""
+    return layout.tp == layout.pp == layout.cp == 1 and not model.n_experts
 
 
 def fold(snapshot: dict) -> dict[str, int]:
@@ -198,41 +199,59 @@ def estimate(model: Model, layout: Layout, traced: dict) -> dict:
     unit (a microbatch's windows, T / cp tokens) on one rank: "block", what one block keeps for
     backward; "rest", what the model keeps outside its blocks (embeddings' output, logits, loss);
     "temporaries", backward's passing tensors (the logits' gradient the largest)."""
-    from mingpt_ddp.planner.traffic import local_shapes, shards_of, wrapper
+    from mingpt_ddp.planner.traffic import wrapper
 
-    C, V, T = model.n_embd, model.vocab, model.block
-    block = sum(math.prod(s) for s in local_shapes(model.block_tensors(), layout.tp).values())
-    stages = schedule.stage_elements(model, layout, block) if layout.pp > 1 else {}
-    root = sum(math.prod(s) for s in model.root_tensors().values())
-    elements = sum(stages.values()) if stages else model.n_layer * block + root
-    shards = shards_of(layout)
-    held = elements / shards * 4
-    gathered = 0.0
-    if layout.parallel == "fsdp" and shards > 1:  # the compute copies FSDP gathers: the root's
-        # and two blocks at a time; a pipeline stage's all, kept from its first backward to the
-        # step's end (torch's stage turns resharding after backward off until then)
-        gathered = (elements if stages else (V + T) * C + 2 * block) * _itemsize(layout)
+    held, gathered, grads = _states(model, layout)
     # A block's activations, cut by sequence parallelism's tp (every position split), or, by
-    # tensor parallelism alone, only its insides (24 of Korthikanti's 34 units).
+    # tensor parallelism alone, only its insides (24 of Korthikanti's 34 units); a mixture of
+    # experts' own on top (moe.py).
     act = traced["block"] * (1 / layout.tp if layout.sp else (10 + 24 / layout.tp) / 34)
-    if layout.ac == "full":  # only each block's input kept (fp32, the residual stream)
+    act += moe.extra_activations(model, layout)
+    again = 0.0  # under checkpointing, the block recomputed in backward holds all of its own
+    if layout.ac == "full":  # and every block only its input (fp32, the residual stream)
         micro = layout.batch // (layout.microbatches if layout.pp > 1 else 1)
-        act = micro * (T // layout.cp) * C * 4
+        act, again = micro * (model.block // layout.cp) * model.n_embd * 4, act
     found = {
         "parameters": held + gathered,
         "gradients": held,
         "optimizer": 2 * held,
-        "activations": model.n_layer * act + traced["rest"],
+        "activations": model.n_layer * act + again + traced["rest"],
         "temporaries": traced["temporaries"],
-        # DDP's bucket copy of the gradients (no DDP without replicas)
-        "buffers": held if wrapper(layout) == "ddp" else 0.0,
+        # DDP's bucket copy of the gradients it averages (none without replicas)
+        "buffers": held - grads["experts"] if wrapper(layout) == "ddp" else 0.0,
     }
-    if stages:  # the schedule's peak moment; gradients whole there, FSDP's too: a stage
-        # accumulates them unsharded (fp32) until the step's last backward
-        grads = {s: n * 4 for s, n in stages.items()}
-        costs = schedule.stage_costs(model, layout, act, traced["rest"], grads)
-        found.update(schedule.walk(schedule.actions(layout), costs, traced["temporaries"]))
+    if layout.pp > 1:  # the schedule's peak moment; gradients whole there, FSDP's too: a
+        # stage accumulates them unsharded (fp32) until the step's last backward
+        costs = schedule.stage_costs(model, layout, act, traced["rest"], grads["stages"])
+        passing = traced["temporaries"] + again
+        found.update(schedule.walk(schedule.actions(layout), costs, passing))
     return found
+
+
+def _states(model: Model, layout: Layout) -> tuple[float, float, dict]:
+    """Rank 0's fp32 parameter bytes (FSDP's shards of those it shards, the experts that
+    expert parallelism gave it whole), the compute copies FSDP gathers, and gradient bytes:
+    {"stages": each pipeline stage's, "experts": the experts'}."""
+    from mingpt_ddp.planner.traffic import local_shapes, shards_of, shared_out
+
+    C, V, T = model.n_embd, model.vocab, model.block
+    shared = {k: v for k, v in model.block_tensors().items() if k not in shared_out(layout)}
+    block = sum(math.prod(s) for s in local_shapes(shared, layout.tp).values())
+    own = moe.expert_elements(model, layout)  # per block, whole on this rank
+    mine = schedule.my_stages(model, layout) if layout.pp > 1 else []
+    stages = schedule.stage_elements(model, layout, block) if mine else {}
+    root = sum(math.prod(s) for s in model.root_tensors().values())
+    elements = sum(stages.values()) if mine else model.n_layer * block + root
+    blocks = sum(b for _, b in mine) if mine else model.n_layer
+    shards = shards_of(layout)
+    held = (elements / shards + blocks * own) * 4
+    gathered = 0.0
+    if layout.parallel == "fsdp" and shards > 1:  # the compute copies FSDP gathers: the root's
+        # and two blocks at a time; a pipeline stage's all, kept from its first backward to the
+        # step's end (torch's stage turns resharding after backward off until then)
+        gathered = (elements if mine else (V + T) * C + 2 * block) * _itemsize(layout)
+    grads = {s: (stages[s] + b * own) * 4 for s, b in mine}
+    return held, gathered, {"stages": grads, "experts": blocks * own * 4}
 
 
 def _itemsize(layout: Layout) -> int:
@@ -244,7 +263,8 @@ def calibrate(model: Model, layout: Layout) -> dict[str, float]:
     2-block model of the same width, vocabulary and unit, in this process."""
     micro = layout.batch // (layout.microbatches if layout.pp > 1 else 1)
     unit = Layout(batch=micro, dtype=layout.dtype, parallel="ddp")
-    short = dataclasses.replace(model, block=model.block // layout.cp)
+    # a mixture of experts as its dense model (moe.py adds the difference)
+    short = dataclasses.replace(model, block=model.block // layout.cp, n_experts=0)
     one, two = (
         trace(dataclasses.replace(short, n_layer=n), unit, forward_only=True) for n in (1, 2)
     )

@@ -26,8 +26,10 @@ ASSUMPTIONS = [
     "tensor and context parallelism, pipeline hand-offs: on the critical path, at their link's "
     "bandwidth",
     "data parallelism: hidden behind the backward (2/3 of the compute); only what exceeds it shows",
+    "expert parallelism's rows: on the critical path, an even spread over the experts",
     "links: NVLink while a dimension's group fits in a node (tp innermost, then cp, dp_shard, "
-    "dp_replicate, pp), else the network; no latency, no congestion",
+    "dp_replicate, pp; ep's ranks are dp's, innermost), else the network; no latency, no "
+    "congestion",
 ]
 ORDER = ("tp", "cp", "dp_shard", "dp_replicate", "pp")  # innermost first (mesh.py, reversed)
 
@@ -35,7 +37,8 @@ ORDER = ("tp", "cp", "dp_shard", "dp_replicate", "pp")  # innermost first (mesh.
 def layouts(model: Model, gpus: int, base: Layout) -> list[Layout]:
     """Every factorisation of gpus into the grid's degrees that the model can take: tp divides
     the heads, a pipeline has a block a stage and 2 x pp microbatches, cp divides the context;
-    data parallelism as FSDP shards or DDP replicas, and sequence parallelism with or without."""
+    data parallelism as FSDP shards or DDP replicas, sequence parallelism with or without (not
+    with experts), and for a mixture of experts every ep dividing dp and the experts."""
     found = []
     divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
     for tp, cp, pp in itertools.product(divisors, repeat=3):
@@ -44,15 +47,14 @@ def layouts(model: Model, gpus: int, base: Layout) -> list[Layout]:
         if bad:
             continue
         m = 2 * pp if pp > 1 else 1
-        for parallel, sp in itertools.product(
-            ("fsdp", "ddp"), (False, True) if tp > 1 else (False,)
-        ):
+        sps = (False, True) if tp > 1 and not model.n_experts else (False,)
+        # expert parallelism: any degree dividing both the data-parallel ranks and the experts
+        eps = [e for e in divisors if rest % e == 0 == model.n_experts % e]
+        eps = eps if model.n_experts else [1]
+        for parallel, sp, ep in itertools.product(("fsdp", "ddp"), sps, eps):
             dp = dict(dp_shard=rest) if parallel == "fsdp" else dict(dp_replicate=rest)
-            found.append(
-                dataclasses.replace(
-                    base, tp=tp, cp=cp, pp=pp, sp=sp, microbatches=m, parallel=parallel, **dp
-                )
-            )
+            grid = dict(tp=tp, cp=cp, pp=pp, sp=sp, ep=ep, microbatches=m, parallel=parallel)
+            found.append(dataclasses.replace(base, **grid, **dp))
     return found
 
 
@@ -84,7 +86,10 @@ def row(layout, memory, source, sent, seconds, machine) -> dict:
 
 def link(layout: Layout, dim: str, machine: Machine) -> float:
     """Bytes per second of this dimension's links (module docstring)."""
-    inner = math.prod(getattr(layout, d) for d in ORDER[: ORDER.index(dim) + 1])
+    if dim == "ep":  # data-parallel ranks side by side (mesh.py)
+        inner = layout.tp * layout.cp * layout.ep
+    else:
+        inner = math.prod(getattr(layout, d) for d in ORDER[: ORDER.index(dim) + 1])
     fast = inner <= machine.gpus_per_node
     return (machine.nvlink_gbs if fast else machine.network_gbs) * 1e9
 
@@ -97,7 +102,7 @@ def step_time(model: Model, layout: Layout, machine: Machine, sent: dict) -> flo
     compute *= 4 / 3 if layout.ac == "full" else 1
     if layout.pp > 1:
         compute *= 1 + (layout.pp - 1) / layout.microbatches
-    exposed = sum(sent[d] / link(layout, d, machine) for d in ("tp", "cp", "pp"))
+    exposed = sum(sent[d] / link(layout, d, machine) for d in ("tp", "cp", "pp", "ep"))
     dp = "dp_shard" if layout.dp_shard > 1 else "dp_replicate"
-    reduce = sent["dp"] / link(layout, dp, machine)
+    reduce = (sent["dp"] + sent["routing"]) / link(layout, dp, machine)
     return round(compute + exposed + max(0.0, reduce - 2 / 3 * compute), 6)

@@ -30,6 +30,15 @@ class Model:
     vocab: int = GPT2_VOCAB
     block: int = GPT2_CONTEXT
     """The context length T (the position embedding's rows)."""
+    n_experts: int = 0
+    """Experts in every block's MLP (gpt_config.n_experts; 0: the dense MLP)."""
+    top_k: int = 2
+    """The experts each token goes through (gpt_config.top_k)."""
+
+    @property
+    def hidden(self) -> int:
+        """An expert's hidden width: the dense MLP's 4C shared out over top_k (GPTConfig.hidden)."""
+        return 4 * self.n_embd // self.top_k
 
     @classmethod
     def named(cls, name: str, **override) -> Model:
@@ -53,11 +62,19 @@ class Model:
             "attn.proj.bias": (C,),
             "ln_2.weight": (C,),
             "ln_2.bias": (C,),
-            "mlp.fc.weight": (4 * C, C),
-            "mlp.fc.bias": (4 * C,),
-            "mlp.proj.weight": (C, 4 * C),
-            "mlp.proj.bias": (C,),
-        }
+            **(self.expert_tensors() if self.n_experts else {
+                "mlp.fc.weight": (4 * C, C),
+                "mlp.fc.bias": (4 * C,),
+                "mlp.proj.weight": (C, 4 * C),
+                "mlp.proj.bias": (C,),
+            }),
+        }  # fmt: skip
+
+    def expert_tensors(self) -> dict[str, tuple[int, ...]]:
+        """A mixture of experts' parameters (moe.py): the router, and every expert's two
+        matrices in one tensor each, expert first (what expert parallelism cuts)."""
+        E, C, H = self.n_experts, self.n_embd, self.hidden
+        return {"mlp.router.weight": (E, C), "mlp.w1": (E, C, H), "mlp.w2": (E, H, C)}
 
     def root_tensors(self, first: bool = True, last: bool = True) -> dict[str, tuple[int, ...]]:
         """Outside the blocks: the embeddings (first stage), the final LayerNorm and the tied
@@ -81,6 +98,8 @@ class Model:
         lookup is no matmul but the tied head is) plus attention's scores and weighted sum,
         12 L T C (PaLM's appendix B; causal masking's half not subtracted, as there)."""
         matmul = self.params() - self.block * self.n_embd  # the position table multiplies nothing
+        # a token meets top_k of the experts (model.active_params)
+        matmul -= self.n_layer * max(0, self.n_experts - self.top_k) * 2 * self.n_embd * self.hidden
         return 6 * matmul + 12 * self.n_layer * self.block * self.n_embd
 
 
@@ -108,6 +127,8 @@ class Layout:
     """Compute precision: bf16 (autocast over fp32 parameters, or FSDP's bf16 copies) | fp32."""
     parallel: str = "fsdp"
     """How the data-parallel ranks hold the model: ddp (replicas) | fsdp (shards)."""
+    ep: int = 1
+    """Expert parallelism: data-parallel ranks side by side sharing out the experts (mesh.py)."""
 
     @property
     def stages(self) -> int:
@@ -119,7 +140,7 @@ class Layout:
         return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
 
     def degrees(self) -> dict[str, int]:
-        keys = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
+        keys = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
         return {k: getattr(self, k) for k in keys}
 
     def name(self) -> str:
@@ -129,6 +150,7 @@ class Layout:
         parts = [f"dp{dp} {how}"] if dp > 1 else []
         parts += [f"{k}{v}" for k, v in (("tp", self.tp), ("cp", self.cp)) if v > 1]
         parts += [f"pp{self.pp} m={self.microbatches}"] if self.pp > 1 else []
+        parts += [f"ep{self.ep}"] if self.ep > 1 else []
         words = " x ".join(parts) or "one rank"
         if dp == 1 and self.cp > 1:  # cp's ranks hold the same parameters: which wrapper
             words += f" ({self.parallel} over cp)"

@@ -89,6 +89,35 @@ def ring_attention(act: float, blocks: int, times: int, cp: int, tp: int) -> flo
     return blocks * times * ((cp - 1) * kv + (cp - 1) * 2 * kv + kv)
 
 
+def experts(model: Model, layout: Layout, blocks: int, times: int) -> dict[str, float]:
+    """A mixture of experts' bytes for `blocks` MoE blocks run `times` forwards a step:
+    - ep: the routed rows (parallel/expert.py), each forward's dispatched to their experts' ranks
+      and combined back, both again in backward; a forward recomputed under activation
+      checkpointing exchanges once more, without a backward. An even spread assumed: of a
+      unit's tokens x top_k rows (C wide, fp32), (ep - 1) / ep leave, as many come back;
+    - routing: each forward's all-to-all of the per-expert counts (int64), and each block's
+      tokens per expert summed over the dp x cp ranks that read different tokens (the bias);
+    - dp: with ep > 1, the experts' gradients all-reduced by the ranks holding the same ones
+      (expert_dp: dp x cp / ep), which DDP and FSDP leave out."""
+    E, C, dp = model.n_experts, model.n_embd, layout.dp_replicate * layout.dp_shard
+    found = dict.fromkeys(("ep", "routing", "dp"), 0.0)
+    readers = dp * layout.cp
+    if E and readers > 1:
+        found["routing"] = ring_sent("all_reduce", blocks * E * 4, readers)
+    if not E or layout.ep == 1:
+        return found
+    tokens = layout.batch // times * (model.block // layout.cp)  # one forward unit
+    exchanges = times * (2 + (layout.ac == "full"))  # forward, backward, a recompute
+    rows = ring_sent("all_to_all", tokens * model.top_k * C * 4, layout.ep)  # one way
+    found["ep"] = blocks * exchanges * 2 * rows  # dispatch and combine
+    counts = ring_sent("all_to_all", E * 8, layout.ep)
+    found["routing"] += blocks * times * (1 + (layout.ac == "full")) * counts
+    local = blocks * 2 * E // layout.ep * C * model.hidden * 4
+    if readers // layout.ep > 1:
+        found["dp"] = ring_sent("all_reduce", local, readers // layout.ep)
+    return found
+
+
 def handoffs(act: float, microbatches: int, sends: int) -> float:
     """A pipeline rank's activations forward and gradients back: `sends` hand-offs to a stage on
     another rank (forward and backward counted apart), each microbatch's unit."""
@@ -107,7 +136,7 @@ def per_dimension(model: Model, layout: Layout, act_bytes: int = 4) -> dict[str,
     ranges = block_ranges(model.n_layer, stages)
     blocks = sum(len(ranges[i]) for i in mine)
     first, last = 0 in mine, stages - 1 in mine
-    sent = dict.fromkeys(("pp", "tp", "cp", "dp", "norm"), 0.0)
+    sent = dict.fromkeys(("pp", "tp", "cp", "ep", "routing", "dp", "norm"), 0.0)
     if layout.pp > 1:
         away = lambda i: rank_of[i] != 0  # noqa: E731
         sends = sum((i < stages - 1 and away(i + 1)) + (i > 0 and away(i - 1)) for i in mine)
@@ -117,18 +146,27 @@ def per_dimension(model: Model, layout: Layout, act_bytes: int = 4) -> dict[str,
             sent["pp"] += ring_sent("all_reduce", tied, 2)
     if layout.tp > 1:
         norms = (2 * blocks + last) * 2 * C  # each LayerNorm's weight and bias
-        sent["tp"] = tensor(act, blocks, blocks, m, layout.tp, layout.sp, norms)
+        dense = 0 if model.n_experts else blocks  # a MoE block's experts stay whole
+        sent["tp"] = tensor(act, blocks, dense, m, layout.tp, layout.sp, norms)
     if layout.cp > 1:
         sent["cp"] = ring_attention(act, blocks, m, layout.cp, layout.tp)
-    block = list(local_shapes(model.block_tensors(), layout.tp).values())
+    shared = {k: v for k, v in model.block_tensors().items() if k not in shared_out(layout)}
+    block = list(local_shapes(shared, layout.tp).values())
     root = list(model.root_tensors(first, last).values())
     if first and last and layout.pp > 1:  # a V: the head's own copy of the tied matrix
         root.append((model.vocab, C))
-    sent["dp"] = data_parallel(layout, [block] * blocks + [root], m)
-    sharded = layout.pp > 1 or layout.tp > 1 or wrapper(layout) in ("fsdp", "hsdp")
+    sent.update(experts(model, layout, blocks, m))
+    sent["dp"] += data_parallel(layout, [block] * blocks + [root], m)
+    sharded = layout.pp > 1 or layout.tp > 1 or layout.ep > 1
+    sharded = sharded or wrapper(layout) in ("fsdp", "hsdp")
     if sharded and layout.gpus > 1:  # the squared norm, summed over the grid (clip.py)
         sent["norm"] = ring_sent("all_reduce", 4, layout.gpus)
     return sent
+
+
+def shared_out(layout: Layout) -> tuple[str, ...]:
+    """The block tensors expert parallelism shares out, which DDP and FSDP leave alone."""
+    return ("mlp.w1", "mlp.w2") if layout.ep > 1 else ()
 
 
 def data_parallel(layout: Layout, groups: list[list[tuple]], times: int) -> float:
