@@ -51,60 +51,12 @@ from mingpt_ddp.planner.traffic import TP_SPLIT
 
 def bubble(layout: dict) -> float | None:
     """The pipeline's idle share: (p - 1) / (v m + p - 1); None for the zero-bubble schedules,
-    which have no textbook formula (table_bubble)."""
+    which have no textbook formula (mingpt_ddp/planner/schedule.py: table_bubble)."""
     if layout["pp"] == 1 or layout["schedule"] in ZERO_BUBBLE:
         return None
     p, m = layout["pp"], layout["m"]
     v = layout.get("v", 1) if layout["schedule"] == "interleaved1f1b" else 1
     return (p - 1) / (v * m + p - 1)
-
-
-UNIT = {"F": 1, "I": 1, "W": 1, "B": 2}  # a full backward is the input's gradient + the weights'
-# torch's _ComputationType names, as the letters its tables print
-KIND = {"FORWARD": "F", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W", "FULL_BACKWARD": "B"}
-
-
-def table_bubble(order: dict[int, list]) -> float:
-    """A schedule's idle share from its own action table (torch's pipeline_order: per rank, its
-    actions in order) at unit cost: a forward, a backward for the input and one for the weights
-    take 1 each, a whole backward 2. Each action starts when its rank is free and what it needs is
-    done (a forward the stage before's forward; a backward the stage after's backward and its own
-    forward; the weights' part its input part); the share is 1 - busy / makespan, averaged over
-    ranks. For interleaved 1F1B it gives its textbook (p - 1) / (v m + p - 1) (1/9 at p = 2,
-    v = 2, m = 4); for the zero-bubble schedules it is their formula here (they publish none)."""
-    parts = lambda a: getattr(a, "sub_actions", None) or [a]  # DualPipeV's overlapped pairs
-    acts = {r: [a for a in row if a is not None] for r, row in order.items()}
-    last = max(p.stage_index for row in acts.values() for a in row for p in parts(a))
-    done: dict[tuple, float] = {}  # (kind, stage, microbatch) -> when it finished
-    clock, busy, at = dict.fromkeys(acts, 0.0), dict.fromkeys(acts, 0.0), dict.fromkeys(acts, 0)
-    moved = True
-    while moved:
-        moved = False
-        for r, row in acts.items():
-            while at[r] < len(row):
-                steps = [
-                    (KIND[p.computation_type.name], p.stage_index, p.microbatch_index)
-                    for p in parts(row[at[r]])
-                ]
-                needs = [n for kind, s, mb in steps for n in _needs(kind, s, mb, last)]
-                if any(n not in done for n in needs):
-                    break
-                start = max([clock[r], *(done[n] for n in needs)])
-                cost = sum(UNIT[kind] for kind, _, _ in steps)
-                clock[r], busy[r], at[r], moved = start + cost, busy[r] + cost, at[r] + 1, True
-                for kind, s, mb in steps:
-                    for made in ("I", "W") if kind == "B" else (kind,):
-                        done[(made, s, mb)] = clock[r]
-    makespan = max(clock.values())
-    return sum(1 - b / makespan for b in busy.values()) / len(busy)
-
-
-def _needs(kind: str, stage: int, mb: int, last: int) -> list[tuple]:
-    if kind == "F":
-        return [("F", stage - 1, mb)] if stage > 0 else []
-    if kind == "W":
-        return [("I", stage, mb)]
-    return [("F", stage, mb)] + ([("I", stage + 1, mb)] if stage < last else [])
 
 
 def _whole(p) -> int:

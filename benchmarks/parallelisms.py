@@ -53,10 +53,10 @@ from benchmarks.formulas import (  # noqa: E402
     param_bytes,
     routing_bytes,
     sent_bytes,
-    table_bubble,
 )
 from benchmarks.layout_rows import DEGREES, label, row, table  # noqa: E402
 from benchmarks.probes import SavedBytes, StageClock, live_peak, tracked_peak  # noqa: E402
+from mingpt_ddp.planner.schedule import table_bubble  # noqa: E402
 
 VOCAB = 65
 # The model, the data-parallel layouts' global batch (G windows of T tokens), a pipeline
@@ -214,7 +214,7 @@ def measure(layout: dict, size: dict) -> dict:
         "sent": sent,
         "ops": ops,
         "formula": sent_bytes(layout, strategy, size) + routing,
-        # the schedule's own action table at unit cost (formulas.table_bubble)
+        # the schedule's own action table at unit cost (planner/schedule.py: table_bubble)
         "table_bubble": table_bubble(pipeline.schedule.pipeline_order)
         if pipeline is not None and len(pipeline.stages) > 1  # a multi-stage schedule's table
         else None,

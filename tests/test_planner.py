@@ -80,6 +80,29 @@ def test_expert_flags_that_cannot_run_are_refused_in_one_line():
         check_experts(Model(4, 2, 32, n_experts=8), Layout(dp_shard=2, ep=4))
 
 
+def test_a_schedules_bubble_is_its_textbook_one_or_its_tables():
+    from mingpt_ddp.planner.schedule import bubble
+
+    one = Layout(pp=4, microbatches=8, schedule="1f1b")
+    assert bubble(one) == 3 / 11  # (p - 1) / (m + p - 1)
+    looped = Layout(pp=2, microbatches=4, schedule="interleaved1f1b", stages_per_rank=2)
+    assert bubble(looped) == pytest.approx(1 / 9)  # from the table: (p - 1) / (v m + p - 1)
+    assert bubble(Layout(pp=2, microbatches=4, schedule="zbv")) < bubble(looped)
+
+
+def test_pipeline_flags_the_project_cannot_run_are_refused_in_one_line():
+    from mingpt_ddp.planner.__main__ import chosen, options
+
+    def refusal(*flags):
+        with pytest.raises(ConfigError) as e:
+            chosen(options().parse_args(["--gpus", "8", *flags]), 8)
+        return str(e.value)
+
+    assert "raise --microbatches to 4" in refusal("--pp", "4", "--microbatches", "2")
+    ddp = refusal("--pp", "2", "--schedule", "zbv", "--parallel", "ddp")
+    assert ddp.startswith("--schedule zbv splits backward past DDP's") and "--parallel fsdp" in ddp
+
+
 def test_a_pipeline_ranks_peak_is_a_moment_of_its_schedule():
     from mingpt_ddp.planner.schedule import StageCost, actions, walk
 
@@ -116,6 +139,11 @@ def test_a_search_of_8_gpus_answers_every_layout_best_first(tmp_path):
     assert all(r["peak_bytes_per_rank"] > 0 and r["degrees"]["tp"] >= 1 for r in rows)
     # traced: every layout one process runs (8 FSDP shards, 8 DDP replicas), the best 3 at most
     assert [r["memory_from"] for r in rows].count("traced") == 2
+    # pipelines on 1F1B, interleaved 1F1B and zero bubble's V (never over DDP's replicas)
+    names = [r["layout"] for r in rows]
+    assert {"dp4 fsdp x pp2 1f1b m=4", "dp4 fsdp x pp2 zbv m=4"} <= set(names)
+    assert "dp4 fsdp x pp2 interleaved1f1b m=4 v=2" in names
+    assert not [n for n in names if "ddp" in n and "zbv" in n and not n.startswith("pp")]
     order = [(not r["fits"], r["step_time_s"]) for r in rows]
     assert order == sorted(order)
     traced = next(r for r in rows if r["memory_from"] == "traced")

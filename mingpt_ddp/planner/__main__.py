@@ -19,6 +19,7 @@ import dataclasses
 import json
 import sys
 
+from mingpt_ddp.config.pipeline import LOOPED, SCHEDULES, ZERO_BUBBLE, PipelineConfig
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.planner.memory import calibrate, trace, traceable
 from mingpt_ddp.planner.search import ASSUMPTIONS, judge, layouts, row, step_time
@@ -57,6 +58,10 @@ def options() -> argparse.ArgumentParser:
     for name in ("dp-replicate", "dp-shard", "tp", "pp", "cp", "ep", "microbatches"):
         p.add_argument(f"--{name}", type=int, default=0, help="a degree (0: 1, or the rest)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
+    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="a pipeline's (--pp)")
+    p.add_argument(
+        "--stages-per-rank", type=int, default=2, help="interleaved schedules' stages a rank"
+    )
     p.add_argument("--search", action="store_true", help="every layout of --gpus, best first")
     p.add_argument("--trace", type=int, default=3, help="how many of the best to trace")
     p.add_argument("--out", help="write the rows as JSON here")
@@ -67,11 +72,12 @@ def chosen(args, gpus: int) -> Layout:
     """The layout the degrees name; the data-parallel degree fills the rest of the GPUs."""
     tp, pp, cp = args.tp or 1, args.pp or 1, args.cp or 1
     m = args.microbatches or (2 * pp if pp > 1 else 1)
-    if pp > 1 and m < pp:  # torch's Schedule1F1B refuses it too
-        raise ConfigError(
-            f"--microbatches {m} is fewer than --pp {pp}: 1F1B needs a microbatch for every "
-            f"stage in flight, give --microbatches {pp} or more"
-        )
+    v = args.stages_per_rank if args.schedule in LOOPED else 1
+    if pp > 1:  # the project's own checks of a schedule, in the planner's flags
+        try:
+            PipelineConfig(pp, args.schedule, m, v)
+        except ConfigError as e:
+            raise ConfigError(flags(str(e))) from None
     fixed = tp * pp * cp * (args.dp_replicate or 1) * (args.dp_shard or 1)
     if gpus % fixed:
         raise ConfigError(f"the degrees multiply to {fixed}, which does not divide --gpus {gpus}")
@@ -79,7 +85,14 @@ def chosen(args, gpus: int) -> Layout:
     shard = args.dp_shard or (rest if args.parallel == "fsdp" else 1)
     replicate = args.dp_replicate or (rest if args.parallel == "ddp" else 1)
     layout = Layout(replicate, shard, tp, pp, cp, args.sp, m, ac=args.ac, dtype=args.dtype)
-    layout = dataclasses.replace(layout, parallel=args.parallel, ep=args.ep or 1)
+    layout = dataclasses.replace(
+        layout, parallel=args.parallel, ep=args.ep or 1, schedule=args.schedule, stages_per_rank=v
+    )
+    if pp > 1 and args.schedule in ZERO_BUBBLE and args.parallel == "ddp" and gpus > fixed:
+        raise ConfigError(
+            f"--schedule {args.schedule} splits backward past DDP's gradient reduction (replicas "
+            "would not average): give --parallel fsdp, or --schedule 1f1b"
+        )
     if layout.gpus != gpus:
         raise ConfigError(f"the degrees make {layout.gpus} GPUs, not --gpus {gpus}")
     if (split := with_batch(layout, args.global_batch)) is None:
@@ -88,6 +101,19 @@ def chosen(args, gpus: int) -> Layout:
             f"{m} microbatches of whole windows: make it a multiple of {replicate * shard * m}"
         )
     return split
+
+
+def flags(message: str) -> str:
+    """A pipeline_config error in the planner's words: each key as its flag."""
+    for key, flag in (
+        ("pipeline_config.microbatches", "--microbatches"),
+        ("pipeline_config.stages_per_rank", "--stages-per-rank"),
+        ("pipeline_config.schedule", "--schedule"),
+        ("pipeline_config.degree", "--pp"),
+        ("x degree", "x --pp"),
+    ):
+        message = message.replace(key, flag)
+    return message
 
 
 def check_experts(model: Model, layout: Layout) -> None:

@@ -53,27 +53,94 @@ def my_stages(model: Model, layout: Layout, rank: int = 0) -> list[tuple[int, in
     return [(s, len(ranges[s])) for s in sorted(rank_of) if rank_of[s] == rank]
 
 
-def actions(layout: Layout, rank: int = 0) -> list[tuple[str, int]]:
-    """`rank`'s compute actions in order, as (F | B | I | W, stage): torch's own table, built by
-    the schedule class the project runs (parallel/pipeline.py) around stand-in stages."""
+def table(layout: Layout) -> dict[int, list]:
+    """torch's own action table for the layout's pipeline (`pipeline_order`: per rank, its
+    actions in order), built by the schedule class the project runs (parallel/pipeline.py)
+    around stand-in stages of rank 0: the schedule computes every rank's row."""
     from mingpt_ddp.parallel.pipeline import ONE_STAGE, SCHEDULES
 
     kind, n = SCHEDULES[layout.schedule], layout.stages
-    mine = [s for s, r in placement(layout.pp, n, layout.schedule in V_SHAPED).items() if r == rank]
+    mine = [s for s, r in placement(layout.pp, n, layout.schedule in V_SHAPED).items() if r == 0]
     stand_ins = [
         SimpleNamespace(
-            group_size=layout.pp, group_rank=rank, num_stages=n, stage_index=s, submod=None
+            group_size=layout.pp, group_rank=0, num_stages=n, stage_index=s, submod=None
         )
         for s in sorted(mine)
     ]
     one = stand_ins[0] if kind in ONE_STAGE else stand_ins
-    table = kind(one, layout.microbatches, loss_fn=lambda out, target: out).pipeline_order[rank]
-    found = []
-    for action in filter(None, table):
-        for part in action.sub_actions or [action]:  # DualPipeV's overlapped forward + backward
-            if part.computation_type.value in "FBIW":
-                found.append((part.computation_type.value, part.stage_index))
-    return found
+    return kind(one, layout.microbatches, loss_fn=lambda out, target: out).pipeline_order
+
+
+def compute(action) -> list:
+    """An action's compute parts: DualPipeV's overlapped forward + backward is two; the
+    schedule's other entries (REDUCE_GRAD, empty slots) none."""
+    parts = (getattr(action, "sub_actions", None) or [action]) if action is not None else []
+    return [p for p in parts if p.computation_type.value in UNIT]
+
+
+def actions(layout: Layout, rank: int = 0) -> list[tuple[str, int]]:
+    """`rank`'s compute actions in order, as (F | B | I | W, stage)."""
+    row = table(layout)[rank]
+    return [(p.computation_type.value, p.stage_index) for a in row for p in compute(a)]
+
+
+UNIT = {"F": 1, "I": 1, "W": 1, "B": 2}  # a whole backward is the input's half + the weights'
+
+
+def bubble(layout: Layout) -> float:
+    """The share of a step a pipeline's ranks idle: (p - 1) / (m + p - 1) for GPipe and 1F1B,
+    the schedule's own table at unit cost for the others (table_bubble). Not the table for the
+    first two: torch 2.13's (a picture of the schedule, not what its step runs) has the last
+    rank's row start at F1 and end at F{m}, and read 0.5 for 2 stages and 4 microbatches."""
+    from mingpt_ddp.parallel.pipeline import ONE_STAGE, SCHEDULES
+
+    if layout.pp == 1:
+        return 0.0
+    if SCHEDULES[layout.schedule] in ONE_STAGE:
+        return (layout.pp - 1) / (layout.microbatches + layout.pp - 1)
+    return table_bubble(table(layout))
+
+
+def table_bubble(order: dict[int, list]) -> float:
+    """A schedule's idle share from its own action table (torch's pipeline_order) at unit cost:
+    a forward, a backward for the input and one for the weights take 1 each, a whole backward 2.
+    Each action starts when its rank is free and what it needs is done (a forward the stage
+    before's forward; a backward the stage after's backward and its own forward; the weights'
+    part its input part); the share is 1 - busy / makespan, averaged over ranks. For 1F1B it is
+    the textbook (p - 1) / (m + p - 1), for interleaved 1F1B (p - 1) / (v m + p - 1) (1/9 at
+    p = 2, v = 2, m = 4); for the zero-bubble schedules, which publish none, it is theirs here."""
+    acts = {r: [c for c in map(compute, row) if c] for r, row in order.items()}
+    last = max(p.stage_index for row in acts.values() for parts in row for p in parts)
+    done: dict[tuple, float] = {}  # (kind, stage, microbatch) -> when it finished
+    clock, busy, at = dict.fromkeys(acts, 0.0), dict.fromkeys(acts, 0.0), dict.fromkeys(acts, 0)
+    moved = True
+    while moved:
+        moved = False
+        for r, row in acts.items():
+            while at[r] < len(row):
+                steps = [
+                    (p.computation_type.value, p.stage_index, p.microbatch_index)
+                    for p in row[at[r]]
+                ]
+                needs = [n for kind, s, mb in steps for n in _needs(kind, s, mb, last)]
+                if any(n not in done for n in needs):
+                    break
+                start = max([clock[r], *(done[n] for n in needs)])
+                cost = sum(UNIT[kind] for kind, _, _ in steps)
+                clock[r], busy[r], at[r], moved = start + cost, busy[r] + cost, at[r] + 1, True
+                for kind, s, mb in steps:
+                    for made in ("I", "W") if kind == "B" else (kind,):
+                        done[(made, s, mb)] = clock[r]
+    makespan = max(clock.values())
+    return sum(1 - b / makespan for b in busy.values()) / len(busy)
+
+
+def _needs(kind: str, stage: int, mb: int, last: int) -> list[tuple]:
+    if kind == "F":
+        return [("F", stage - 1, mb)] if stage > 0 else []
+    if kind == "W":
+        return [("I", stage, mb)]
+    return [("F", stage, mb)] + ([("I", stage + 1, mb)] if stage < last else [])
 
 
 def walk(steps: list[tuple[str, int]], costs: dict[int, StageCost], passing: float) -> dict:

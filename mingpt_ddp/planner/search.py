@@ -15,14 +15,17 @@ import dataclasses
 import itertools
 import math
 
+from mingpt_ddp.config.pipeline import LOOPED, ZERO_BUBBLE
 from mingpt_ddp.planner.memory import estimate
+from mingpt_ddp.planner.schedule import bubble
 from mingpt_ddp.planner.shapes import Layout, Machine, Model
 from mingpt_ddp.planner.traffic import per_dimension
 
 ASSUMPTIONS = [
     "compute: FLOPs per token (6 per parameter met + attention's 12 L T C) x tokens per rank, at "
     "peak x mfu; activation checkpointing adds a forward (x 4/3)",
-    "pipeline (1F1B): the compute stretched by the bubble, x (1 + (pp - 1) / microbatches)",
+    "pipeline: the compute stretched by its schedule's bubble b, x 1 / (1 - b): (pp - 1) / "
+    "(m + pp - 1) for 1F1B, the schedule's own action table at unit cost for the others",
     "tensor and context parallelism, pipeline hand-offs: on the critical path, at their link's "
     "bandwidth",
     "data parallelism: hidden behind the backward (2/3 of the compute); only what exceeds it shows",
@@ -36,7 +39,8 @@ ORDER = ("tp", "cp", "dp_shard", "dp_replicate", "pp")  # innermost first (mesh.
 
 def layouts(model: Model, gpus: int, base: Layout) -> list[Layout]:
     """Every factorisation of gpus into the grid's degrees that the model can take: tp divides
-    the heads, a pipeline has a block a stage and 2 x pp microbatches, cp divides the context;
+    the heads, a pipeline has a block a stage and 2 x pp microbatches (1F1B, and interleaved
+    1F1B and zero bubble's V where it has 2 blocks a rank), cp divides the context;
     data parallelism as FSDP shards or DDP replicas, sequence parallelism with or without (not
     with experts), and for a mixture of experts every ep dividing dp and the experts."""
     found = []
@@ -51,11 +55,26 @@ def layouts(model: Model, gpus: int, base: Layout) -> list[Layout]:
         # expert parallelism: any degree dividing both the data-parallel ranks and the experts
         eps = [e for e in divisors if rest % e == 0 == model.n_experts % e]
         eps = eps if model.n_experts else [1]
-        for parallel, sp, ep in itertools.product(("fsdp", "ddp"), sps, eps):
+        for parallel, sp, ep, schedule in itertools.product(
+            ("fsdp", "ddp"), sps, eps, schedules(model, pp, rest)
+        ):
             dp = dict(dp_shard=rest) if parallel == "fsdp" else dict(dp_replicate=rest)
             grid = dict(tp=tp, cp=cp, pp=pp, sp=sp, ep=ep, microbatches=m, parallel=parallel)
-            found.append(dataclasses.replace(base, **grid, **dp))
+            if parallel == "ddp" and rest > 1 and schedule in ZERO_BUBBLE:
+                continue  # its split backward skips DDP's reduction (pipeline.check_schedule)
+            v = 2 if schedule in LOOPED else 1
+            found.append(
+                dataclasses.replace(base, **grid, **dp, schedule=schedule, stages_per_rank=v)
+            )
     return found
+
+
+def schedules(model: Model, pp: int, dp: int) -> list[str]:
+    """The pipeline schedules a search tries: 1F1B; interleaved 1F1B and zero bubble's V (2
+    stages a rank) where the model has a block for each of their stages."""
+    if pp == 1:
+        return ["1f1b"]
+    return ["1f1b"] + (["interleaved1f1b", "zbv"] if model.n_layer >= 2 * pp else [])
 
 
 def judge(model: Model, layout: Layout, machine: Machine, calibration) -> dict:
@@ -100,8 +119,7 @@ def step_time(model: Model, layout: Layout, machine: Machine, sent: dict) -> flo
     flops = model.flops_per_token() * tokens / (layout.tp * layout.pp * layout.cp)
     compute = flops / (machine.peak_tflops * 1e12 * machine.mfu)
     compute *= 4 / 3 if layout.ac == "full" else 1
-    if layout.pp > 1:
-        compute *= 1 + (layout.pp - 1) / layout.microbatches
+    compute /= 1 - bubble(layout)
     exposed = sum(sent[d] / link(layout, d, machine) for d in ("tp", "cp", "pp", "ep"))
     dp = "dp_shard" if layout.dp_shard > 1 else "dp_replicate"
     reduce = (sent["dp"] + sent["routing"]) / link(layout, dp, machine)

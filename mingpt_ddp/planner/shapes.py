@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 from mingpt_ddp.config.model import MODEL_SIZES
-from mingpt_ddp.config.pipeline import V_SHAPED
+from mingpt_ddp.config.pipeline import LOOPED, V_SHAPED
 from mingpt_ddp.errors import ConfigError
 
 GPT2_VOCAB, GPT2_CONTEXT = 50257, 1024
@@ -118,7 +118,7 @@ class Layout:
     schedule: str = "1f1b"
     """A pipeline's schedule (pipeline_config.schedule)."""
     stages_per_rank: int = 1
-    """A pipeline's stages on each rank (2 for interleaved and V-shaped schedules)."""
+    """Stages on each rank for the looped schedules (interleaved1f1b, interleavedzb)."""
     batch: int = 8
     """Windows a replica trains on per step (a pipeline cuts them into its microbatches)."""
     ac: str = "none"
@@ -132,8 +132,10 @@ class Layout:
 
     @property
     def stages(self) -> int:
-        """A pipeline's stages: pp x stages_per_rank (a V-shaped schedule's always 2 a rank)."""
-        return self.pp * (2 if self.schedule in V_SHAPED else self.stages_per_rank)
+        """A pipeline's stages (PipelineConfig.stages): pp x stages_per_rank for the looped
+        schedules, 2 a rank for the V-shaped ones, 1 a rank for GPipe and 1F1B."""
+        per_rank = self.stages_per_rank if self.schedule in LOOPED else 1
+        return self.pp * (2 if self.schedule in V_SHAPED else per_rank)
 
     @property
     def gpus(self) -> int:
@@ -149,7 +151,9 @@ class Layout:
         how = "hsdp" if self.parallel == "fsdp" and self.dp_replicate > 1 else self.parallel
         parts = [f"dp{dp} {how}"] if dp > 1 else []
         parts += [f"{k}{v}" for k, v in (("tp", self.tp), ("cp", self.cp)) if v > 1]
-        parts += [f"pp{self.pp} m={self.microbatches}"] if self.pp > 1 else []
+        if self.pp > 1:  # "pp2 zbv m=4", "pp2 interleaved1f1b m=4 v=2"
+            v = f" v={self.stages_per_rank}" if self.schedule in LOOPED else ""
+            parts.append(f"pp{self.pp} {self.schedule} m={self.microbatches}{v}")
         parts += [f"ep{self.ep}"] if self.ep > 1 else []
         words = " x ".join(parts) or "one rank"
         if dp == 1 and self.cp > 1:  # cp's ranks hold the same parameters: which wrapper
