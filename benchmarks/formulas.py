@@ -136,28 +136,28 @@ def context_bytes(strategy, act: float, blocks: int, times: int) -> float:
 
 def routing_bytes(strategy, width: int) -> float:
     """The rows expert parallelism exchanged in the last step's MoE forwards (each exchange's
-    `last`, module docstring): dispatch and combine, forward and backward, and the counts."""
+    `last`, module docstring), dispatch and combine, forward and backward (traffic.exchange),
+    and each forward's counts."""
     sent = 0.0
     for layer in strategy.moe.layers if strategy.dims.ep > 1 else []:
         me, log = layer.exchange.group.rank(), layer.exchange
         for to, came, recomputed in zip(*log.last):
-            rows = sum(to) - to[me] + sum(came) - came[me]
-            sent += (1 if recomputed else 2) * rows * width * 4  # a recompute has no backward
+            rows_out, rows_back = sum(to) - to[me], sum(came) - came[me]
+            sent += traffic.exchange(rows_out, rows_back, width, recomputed)
             sent += ring_sent_bytes("all_to_all", len(layer.expert_bias) * 8, len(to))
     return sent
 
 
 def expert_bytes(strategy) -> float:
-    """Besides the rows (routing_bytes): the experts' gradients over expert_dp, and the tokens
-    per expert over dp x cp (mingpt_ddp/parallel/expert.py: ExpertStep.after_backward)."""
+    """Besides the rows (routing_bytes): the experts' own reductions (traffic.expert_reductions:
+    mingpt_ddp/parallel/expert.py's ExpertStep.after_backward)."""
     dims, moe = strategy.dims, strategy.moe
     if not moe.layers:
         return 0.0
     grads = sum(p.to_local().numel() * 4 for p in moe.params)
-    replicas = dims.dp * dims.cp // dims.ep
-    sent = ring_sent_bytes("all_reduce", grads, replicas) if replicas > 1 else 0.0
     counts = len(moe.layers) * len(moe.layers[0].expert_bias) * 4
-    return sent + ring_sent_bytes("all_reduce", counts, dims.dp * dims.cp)
+    readers = dims.dp * dims.cp
+    return sum(traffic.expert_reductions(grads, counts, readers, readers // dims.ep).values())
 
 
 def sent_bytes(layout: dict, strategy, size: dict) -> float:

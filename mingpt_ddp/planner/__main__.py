@@ -88,7 +88,8 @@ def chosen(args, gpus: int) -> Layout:
     layout = dataclasses.replace(
         layout, parallel=args.parallel, ep=args.ep or 1, schedule=args.schedule, stages_per_rank=v
     )
-    if pp > 1 and args.schedule in ZERO_BUBBLE and args.parallel == "ddp" and gpus > fixed:
+    replicas = layout.dp_replicate * layout.dp_shard * cp  # DDP averages over dp x cp
+    if pp > 1 and args.schedule in ZERO_BUBBLE and args.parallel == "ddp" and replicas > 1:
         raise ConfigError(
             f"--schedule {args.schedule} splits backward past DDP's gradient reduction (replicas "
             "would not average): give --parallel fsdp, or --schedule 1f1b"

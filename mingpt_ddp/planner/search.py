@@ -60,7 +60,7 @@ def layouts(model: Model, gpus: int, base: Layout) -> list[Layout]:
         ):
             dp = dict(dp_shard=rest) if parallel == "fsdp" else dict(dp_replicate=rest)
             grid = dict(tp=tp, cp=cp, pp=pp, sp=sp, ep=ep, microbatches=m, parallel=parallel)
-            if parallel == "ddp" and rest > 1 and schedule in ZERO_BUBBLE:
+            if parallel == "ddp" and rest * cp > 1 and schedule in ZERO_BUBBLE:
                 continue  # its split backward skips DDP's reduction (pipeline.check_schedule)
             v = 2 if schedule in LOOPED else 1
             found.append(

@@ -89,32 +89,45 @@ def ring_attention(act: float, blocks: int, times: int, cp: int, tp: int) -> flo
     return blocks * times * ((cp - 1) * kv + (cp - 1) * 2 * kv + kv)
 
 
+def exchange(rows_out: float, rows_back: float, width: int, recomputed: bool) -> float:
+    """One MoE block's forward under expert parallelism (parallel/expert.py): the rows it
+    dispatches to other ranks' experts and the outputs it combines back to theirs (width wide,
+    fp32), both again in backward, unless the forward is a recompute (activation
+    checkpointing), which has no backward of its own."""
+    return (1 if recomputed else 2) * (rows_out + rows_back) * width * 4
+
+
+def expert_reductions(grads: float, counts: float, readers: int, replicas: int) -> dict:
+    """A mixture of experts' own reductions each step: its tokens per expert (counts bytes)
+    summed over the `readers` ranks that read different tokens (dp x cp: the routing bias), and,
+    under expert parallelism, the experts' gradients (grads bytes) over the `replicas` ranks
+    holding the same ones (expert_dp), which DDP and FSDP leave out."""
+    return {
+        "routing": ring_sent("all_reduce", counts, readers) if readers > 1 else 0.0,
+        "dp": ring_sent("all_reduce", grads, replicas) if replicas > 1 else 0.0,
+    }
+
+
 def experts(model: Model, layout: Layout, blocks: int, times: int) -> dict[str, float]:
-    """A mixture of experts' bytes for `blocks` MoE blocks run `times` forwards a step:
-    - ep: the routed rows (parallel/expert.py), each forward's dispatched to their experts' ranks
-      and combined back, both again in backward; a forward recomputed under activation
-      checkpointing exchanges once more, without a backward. An even spread assumed: of a
-      unit's tokens x top_k rows (C wide, fp32), (ep - 1) / ep leave, as many come back;
-    - routing: each forward's all-to-all of the per-expert counts (int64), and each block's
-      tokens per expert summed over the dp x cp ranks that read different tokens (the bias);
-    - dp: with ep > 1, the experts' gradients all-reduced by the ranks holding the same ones
-      (expert_dp: dp x cp / ep), which DDP and FSDP leave out."""
+    """A mixture of experts' bytes for `blocks` MoE blocks run `times` forwards a step: "ep" the
+    routed rows (exchange; an even spread assumed: of a forward unit's tokens x top_k rows,
+    (ep - 1) / ep leave and as many come back), "routing" each forward's all-to-all of the
+    per-expert counts (int64) and the expert_reductions' counts, "dp" their gradients'."""
     E, C, dp = model.n_experts, model.n_embd, layout.dp_replicate * layout.dp_shard
-    found = dict.fromkeys(("ep", "routing", "dp"), 0.0)
-    readers = dp * layout.cp
-    if E and readers > 1:
-        found["routing"] = ring_sent("all_reduce", blocks * E * 4, readers)
-    if not E or layout.ep == 1:
+    if not E:
+        return dict.fromkeys(("ep", "routing", "dp"), 0.0)
+    readers, ep = dp * layout.cp, layout.ep
+    local = blocks * 2 * E // ep * C * model.hidden * 4 if ep > 1 else 0.0
+    found = {"ep": 0.0, **expert_reductions(local, blocks * E * 4, readers, readers // ep)}
+    if ep == 1:
         return found
     tokens = layout.batch // times * (model.block // layout.cp)  # one forward unit
-    exchanges = times * (2 + (layout.ac == "full"))  # forward, backward, a recompute
-    rows = ring_sent("all_to_all", tokens * model.top_k * C * 4, layout.ep)  # one way
-    found["ep"] = blocks * exchanges * 2 * rows  # dispatch and combine
-    counts = ring_sent("all_to_all", E * 8, layout.ep)
-    found["routing"] += blocks * times * (1 + (layout.ac == "full")) * counts
-    local = blocks * 2 * E // layout.ep * C * model.hidden * 4
-    if readers // layout.ep > 1:
-        found["dp"] = ring_sent("all_reduce", local, readers // layout.ep)
+    away = tokens * model.top_k * (ep - 1) / ep  # rows for other ranks' experts
+    recomputes = layout.ac == "full"  # each forward once more in backward
+    rows = exchange(away, away, C, False) + recomputes * exchange(away, away, C, True)
+    found["ep"] = blocks * times * rows
+    counts = ring_sent("all_to_all", E * 8, ep)  # every forward's, a recompute's too
+    found["routing"] += blocks * times * (1 + recomputes) * counts
     return found
 
 
