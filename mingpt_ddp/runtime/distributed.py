@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -257,16 +258,24 @@ def is_main_process() -> bool:
     return os.environ.get("RANK", os.environ.get("HOROVOD_RANK", "0")) == "0"
 
 
-def print0(*args, **kwargs) -> None:
-    """Print on global rank 0 only: one line per event, not one per process."""
+_ONE_LINE = threading.Lock()
+
+
+def print0(*args, file=None) -> None:
+    """Print on global rank 0 only: one line per event, not one per process. The line goes out
+    in one write: print() writes the text and its newline apart, and a line from another thread
+    (a snapshot written in the background) landing between them glued the two into one line, a
+    step's line lost inside the snapshot's."""
     if is_main_process():
-        print(*args, **kwargs, flush=True)
+        stream = file or sys.stdout
+        with _ONE_LINE:
+            stream.write(" ".join(map(str, args)) + "\n")
+            stream.flush()
 
 
 def warn0(message: str) -> None:
     """A warning on rank 0, to stderr."""
-    if is_main_process():
-        print(f"WARNING: {message}", file=sys.stderr, flush=True)
+    print0(f"WARNING: {message}", file=sys.stderr)
 
 
 def barrier() -> None:
