@@ -19,9 +19,10 @@ import dataclasses
 import json
 import sys
 
-from mingpt_ddp.config.pipeline import LOOPED, SCHEDULES, ZERO_BUBBLE, PipelineConfig
+from mingpt_ddp.config.pipeline import LOOPED, SCHEDULES, PipelineConfig
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.planner.memory import calibrate, trace, traceable
+from mingpt_ddp.planner.schedule import skips_ddp
 from mingpt_ddp.planner.search import ASSUMPTIONS, judge, layouts, row, step_time
 from mingpt_ddp.planner.shapes import MACHINES, Layout, Machine, Model
 from mingpt_ddp.planner.traffic import per_dimension
@@ -88,8 +89,7 @@ def chosen(args, gpus: int) -> Layout:
     layout = dataclasses.replace(
         layout, parallel=args.parallel, ep=args.ep or 1, schedule=args.schedule, stages_per_rank=v
     )
-    replicas = layout.dp_replicate * layout.dp_shard * cp  # DDP averages over dp x cp
-    if pp > 1 and args.schedule in ZERO_BUBBLE and args.parallel == "ddp" and replicas > 1:
+    if skips_ddp(layout):
         raise ConfigError(
             f"--schedule {args.schedule} splits backward past DDP's gradient reduction (replicas "
             "would not average): give --parallel fsdp, or --schedule 1f1b"
@@ -160,7 +160,7 @@ def machine_of(args) -> Machine:
 def traced(model: Model, layout: Layout, machine: Machine) -> dict:
     """A row whose memory is traced (memory.trace) rather than estimated."""
     memory = trace(model, layout)
-    sent = per_dimension(model, layout, act_bytes=2 if layout.dtype == "bf16" else 4)
+    sent = per_dimension(model, layout, act_bytes=layout.itemsize)
     return row(layout, memory, "traced", sent, step_time(model, layout, machine, sent), machine)
 
 
@@ -173,7 +173,7 @@ def plan(args) -> dict:
     cache: dict = {}  # calibrations by forward unit (windows, tokens)
 
     def calibration(layout: Layout) -> dict:
-        key = (layout.batch // layout.microbatches, model.block // layout.cp)
+        key = (layout.micro, model.block // layout.cp)
         if key not in cache:
             cache[key] = calibrate(model, layout)
         return cache[key]

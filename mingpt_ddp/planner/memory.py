@@ -209,8 +209,7 @@ def estimate(model: Model, layout: Layout, traced: dict) -> dict:
     act += moe.extra_activations(model, layout)
     again = 0.0  # under checkpointing, the block recomputed in backward holds all of its own
     if layout.ac == "full":  # and every block only its input (fp32, the residual stream)
-        micro = layout.batch // (layout.microbatches if layout.pp > 1 else 1)
-        act, again = micro * (model.block // layout.cp) * model.n_embd * 4, act
+        act, again = layout.micro * (model.block // layout.cp) * model.n_embd * 4, act
     found = {
         "parameters": held + gathered,
         "gradients": held,
@@ -249,20 +248,15 @@ def _states(model: Model, layout: Layout) -> tuple[float, float, dict]:
     if layout.parallel == "fsdp" and shards > 1:  # the compute copies FSDP gathers: the root's
         # and two blocks at a time; a pipeline stage's all, kept from its first backward to the
         # step's end (torch's stage turns resharding after backward off until then)
-        gathered = (elements if mine else (V + T) * C + 2 * block) * _itemsize(layout)
+        gathered = (elements if mine else (V + T) * C + 2 * block) * layout.itemsize
     grads = {s: (stages[s] + b * own) * 4 for s, b in mine}
     return held, gathered, {"stages": grads, "experts": blocks * own * 4}
-
-
-def _itemsize(layout: Layout) -> int:
-    return 2 if layout.dtype == "bf16" else 4
 
 
 def calibrate(model: Model, layout: Layout) -> dict[str, float]:
     """What estimate needs for one forward unit of this layout, from traces of a 1-block and a
     2-block model of the same width, vocabulary and unit, in this process."""
-    micro = layout.batch // (layout.microbatches if layout.pp > 1 else 1)
-    unit = Layout(batch=micro, dtype=layout.dtype, parallel="ddp")
+    unit = Layout(batch=layout.micro, dtype=layout.dtype, parallel="ddp")
     # a mixture of experts as its dense model (moe.py adds the difference)
     short = dataclasses.replace(model, block=model.block // layout.cp, n_experts=0)
     one, two = (

@@ -32,9 +32,7 @@ def extra_activations(model: Model, layout: Layout) -> float:
     if not model.n_experts:
         return 0.0
     E, k, C, H = model.n_experts, model.top_k, model.n_embd, model.hidden
-    tokens = layout.batch // (layout.microbatches if layout.pp > 1 else 1)
-    tokens *= model.block // layout.cp
-    item = 2 if layout.dtype == "bf16" else 4
+    tokens, item = layout.micro * (model.block // layout.cp), layout.itemsize
     rows = tokens * k  # under ep the rows a rank computes: as many come as leave, evenly
     padded = rows + E // layout.ep * (PAD_ROWS - 1) / 2  # half a pad per expert on average
     indices = 8 * (tokens * E + 3 * rows)

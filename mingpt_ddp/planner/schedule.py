@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from mingpt_ddp.config.pipeline import V_SHAPED
+from mingpt_ddp.config.pipeline import V_SHAPED, ZERO_BUBBLE
 from mingpt_ddp.parallel.stages import block_ranges, placement
 from mingpt_ddp.planner.shapes import Layout, Model
 
@@ -44,6 +44,15 @@ class StageCost:
     grads: float
     """The stage's gradients (all microbatches accumulate into them)."""
     first: bool = False
+
+
+def skips_ddp(layout: Layout) -> bool:
+    """Whether a zero-bubble schedule would run over DDP's replicas (dp x cp > 1, which DDP
+    averages over): its split backward never reaches DDP's reduction, so the project refuses it
+    (parallel/pipeline.py: check_schedule) and the planner does too."""
+    replicas = layout.dp_replicate * layout.dp_shard * layout.cp
+    zero_bubble = layout.pp > 1 and layout.schedule in ZERO_BUBBLE
+    return zero_bubble and layout.parallel == "ddp" and replicas > 1
 
 
 def my_stages(model: Model, layout: Layout, rank: int = 0) -> list[tuple[int, int]]:
@@ -178,11 +187,11 @@ def stage_costs(
     the layout cuts them), `rest` what the whole model keeps outside its blocks (calibrate's),
     grads[stage] its gradient bytes."""
     C, V = model.n_embd, model.vocab
-    tokens = layout.batch // layout.microbatches * (model.block // layout.cp)
+    tokens = layout.micro * (model.block // layout.cp)
     unit = tokens * C * 4  # a hand-off: the residual stream, fp32
     ids = tokens * 8  # the first stage's token ids (int64)
     head = rest - ids - unit  # the final LayerNorm, the head and the loss (rest: ids + 1 unit)
-    item = 2 if layout.dtype == "bf16" else 4
+    item = layout.itemsize
     # the gradients of each weight's output, for W: QKV and the first MLP layer (cut by tp),
     # the two output projections, the two LayerNorms; the head's logits and its LayerNorm
     per_block = tokens * ((7 * C / layout.tp + 2 * C) * item + 2 * C * 4)

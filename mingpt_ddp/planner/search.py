@@ -15,9 +15,9 @@ import dataclasses
 import itertools
 import math
 
-from mingpt_ddp.config.pipeline import LOOPED, ZERO_BUBBLE
+from mingpt_ddp.config.pipeline import LOOPED
 from mingpt_ddp.planner.memory import estimate
-from mingpt_ddp.planner.schedule import bubble
+from mingpt_ddp.planner.schedule import bubble, skips_ddp
 from mingpt_ddp.planner.shapes import Layout, Machine, Model
 from mingpt_ddp.planner.traffic import per_dimension
 
@@ -56,20 +56,18 @@ def layouts(model: Model, gpus: int, base: Layout) -> list[Layout]:
         eps = [e for e in divisors if rest % e == 0 == model.n_experts % e]
         eps = eps if model.n_experts else [1]
         for parallel, sp, ep, schedule in itertools.product(
-            ("fsdp", "ddp"), sps, eps, schedules(model, pp, rest)
+            ("fsdp", "ddp"), sps, eps, schedules(model, pp)
         ):
             dp = dict(dp_shard=rest) if parallel == "fsdp" else dict(dp_replicate=rest)
             grid = dict(tp=tp, cp=cp, pp=pp, sp=sp, ep=ep, microbatches=m, parallel=parallel)
-            if parallel == "ddp" and rest * cp > 1 and schedule in ZERO_BUBBLE:
-                continue  # its split backward skips DDP's reduction (pipeline.check_schedule)
             v = 2 if schedule in LOOPED else 1
-            found.append(
-                dataclasses.replace(base, **grid, **dp, schedule=schedule, stages_per_rank=v)
-            )
+            layout = dataclasses.replace(base, **grid, **dp, schedule=schedule, stages_per_rank=v)
+            if not skips_ddp(layout):
+                found.append(layout)
     return found
 
 
-def schedules(model: Model, pp: int, dp: int) -> list[str]:
+def schedules(model: Model, pp: int) -> list[str]:
     """The pipeline schedules a search tries: 1F1B; interleaved 1F1B and zero bubble's V (2
     stages a rank) where the model has a block for each of their stages."""
     if pp == 1:
@@ -80,7 +78,7 @@ def schedules(model: Model, pp: int, dp: int) -> list[str]:
 def judge(model: Model, layout: Layout, machine: Machine, calibration) -> dict:
     """One layout's row: memory (estimated), bytes by dimension, step time, fits."""
     memory = estimate(model, layout, calibration(layout))
-    sent = per_dimension(model, layout, act_bytes=2 if layout.dtype == "bf16" else 4)
+    sent = per_dimension(model, layout, act_bytes=layout.itemsize)
     seconds = step_time(model, layout, machine, sent)
     return row(layout, memory, "estimated", sent, seconds, machine)
 

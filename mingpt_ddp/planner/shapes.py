@@ -138,6 +138,16 @@ class Layout:
         return self.pp * (2 if self.schedule in V_SHAPED else per_rank)
 
     @property
+    def micro(self) -> int:
+        """Windows in one forward unit: a pipeline's microbatch, else the replica's batch."""
+        return self.batch // (self.microbatches if self.pp > 1 else 1)
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes of an element in the compute precision."""
+        return 2 if self.dtype == "bf16" else 4
+
+    @property
     def gpus(self) -> int:
         return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
 

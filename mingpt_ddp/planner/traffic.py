@@ -121,7 +121,7 @@ def experts(model: Model, layout: Layout, blocks: int, times: int) -> dict[str, 
     found = {"ep": 0.0, **expert_reductions(local, blocks * E * 4, readers, readers // ep)}
     if ep == 1:
         return found
-    tokens = layout.batch // times * (model.block // layout.cp)  # one forward unit
+    tokens = layout.micro * (model.block // layout.cp)  # one forward unit
     away = tokens * model.top_k * (ep - 1) / ep  # rows for other ranks' experts
     recomputes = layout.ac == "full"  # each forward once more in backward
     rows = exchange(away, away, C, False) + recomputes * exchange(away, away, C, True)

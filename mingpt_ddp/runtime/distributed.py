@@ -264,8 +264,8 @@ _ONE_LINE = threading.Lock()
 def print0(*args, file=None) -> None:
     """Print on global rank 0 only: one line per event, not one per process. The line goes out
     in one write: print() writes the text and its newline apart, and a line from another thread
-    (a snapshot written in the background) landing between them glued the two into one line, a
-    step's line lost inside the snapshot's."""
+    (a snapshot written in the background) landing between them can glue the two into one line,
+    a step's line lost inside the snapshot's."""
     if is_main_process():
         stream = file or sys.stdout
         with _ONE_LINE:
